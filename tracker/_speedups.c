@@ -1,0 +1,338 @@
+/*
+ * Optional C decoder for the kmq marker protocol v1 (see docs/protocol.md).
+ *
+ * It implements exactly the rules of tracker/protocol.py's pure-Python decode_marker and
+ * builds the same Marker named tuples; tests/unit/test_protocol.py checks the two agree on
+ * valid, corrupted and random input. When this module is not built, the pure-Python decoder
+ * is used; nothing else changes.
+ *
+ * configure(marker_cls, kinds, error_cls) must be called once before decode().
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEAD_SIZE 19
+#define MAX_TOPIC 249
+#define MAX_GROUP 255
+#define MAX_CONSUMER 255
+#define MAX_REASON 4096
+#define FLAG_HAS_ORIGIN 0x01
+#define FLAG_POLICY_DELAY 0x02
+#define FLAG_DEFERRED 0x04
+#define KNOWN_FLAGS 0x07
+#define DELAY_FLAGS (FLAG_POLICY_DELAY | FLAG_DEFERRED)
+#define MAX_DELAY_MS 315360000000ULL
+#define N_FIELDS 15
+
+static PyTypeObject *marker_type = NULL;
+static PyObject *kinds = NULL; /* tuple indexed by the kind byte */
+static PyObject *error_cls = NULL;
+static PyObject *empty_str = NULL;
+
+/* One-entry caches: a batch mostly repeats the same topic, group and consumer. */
+typedef struct {
+    char raw[256];
+    Py_ssize_t len;
+    PyObject *value; /* strong reference, or NULL */
+} cache_t;
+
+static cache_t topic_cache[2]; /* [0] topic, [1] origin topic */
+static cache_t group_cache;
+static cache_t consumer_cache;
+
+static uint16_t rd16(const unsigned char *p) { return (uint16_t)((p[0] << 8) | p[1]); }
+static uint32_t rd32(const unsigned char *p) {
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+static uint64_t rd64(const unsigned char *p) {
+    return ((uint64_t)rd32(p) << 32) | rd32(p + 4);
+}
+
+static PyObject *fail(const char *fmt, ...) {
+    va_list vargs;
+    va_start(vargs, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, vargs);
+    va_end(vargs);
+    if (msg != NULL) {
+        PyErr_SetObject(error_cls, msg);
+        Py_DECREF(msg);
+    }
+    return NULL;
+}
+
+static int legal_topic_char(unsigned char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           c == '.' || c == '_' || c == '-';
+}
+
+/* Returns a new reference to the topic str, or NULL with MarkerError set. */
+static PyObject *topic_str(cache_t *cache, const unsigned char *p, Py_ssize_t len) {
+    if (cache->value != NULL && cache->len == len && memcmp(cache->raw, p, (size_t)len) == 0) {
+        Py_INCREF(cache->value);
+        return cache->value;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        if (!legal_topic_char(p[i])) {
+            if (p[i] < 0x80) {
+                PyObject *shown = PyUnicode_DecodeASCII((const char *)p, len > 60 ? 60 : len, "replace");
+                if (shown == NULL) return NULL;
+                fail("%R is not a legal Kafka topic name", shown);
+                Py_DECREF(shown);
+                return NULL;
+            }
+            return fail("topic name is not ASCII");
+        }
+    }
+    if ((len == 1 && p[0] == '.') || (len == 2 && p[0] == '.' && p[1] == '.')) {
+        return fail("'%s' is not a legal Kafka topic name", len == 1 ? "." : "..");
+    }
+    PyObject *value = PyUnicode_DecodeASCII((const char *)p, len, "strict");
+    if (value == NULL) return NULL;
+    Py_XDECREF(cache->value);
+    memcpy(cache->raw, p, (size_t)len);
+    cache->len = len;
+    Py_INCREF(value);
+    cache->value = value;
+    return value;
+}
+
+/* UTF-8 text with an optional one-entry cache (len <= 255 when cached). */
+static PyObject *text_str(cache_t *cache, const unsigned char *p, Py_ssize_t len, const char *what) {
+    if (len == 0) {
+        Py_INCREF(empty_str);
+        return empty_str;
+    }
+    if (cache != NULL && cache->value != NULL && cache->len == len &&
+        memcmp(cache->raw, p, (size_t)len) == 0) {
+        Py_INCREF(cache->value);
+        return cache->value;
+    }
+    PyObject *value = PyUnicode_DecodeUTF8((const char *)p, len, "strict");
+    if (value == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+            PyErr_Clear();
+            return fail("%s is not valid UTF-8", what);
+        }
+        return NULL;
+    }
+    if (cache != NULL && len <= 255) {
+        Py_XDECREF(cache->value);
+        memcpy(cache->raw, p, (size_t)len);
+        cache->len = len;
+        Py_INCREF(value);
+        cache->value = value;
+    }
+    return value;
+}
+
+static PyObject *decode(PyObject *module, PyObject *arg) {
+    (void)module;
+    if (marker_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_speedups.configure() was not called");
+        return NULL;
+    }
+    if (!PyBytes_Check(arg)) {
+        return fail("a marker record must have a bytes value (got a tombstone?)");
+    }
+    const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(arg);
+    Py_ssize_t size = PyBytes_GET_SIZE(arg);
+    if (size < HEAD_SIZE + 3) {
+        if (size && v[0] != 1) return fail("unsupported marker version %d", (int)v[0]);
+        return fail("marker of %zd bytes is too short", size);
+    }
+    int version = v[0], kind = v[1], flags = v[2];
+    unsigned attempt = rd16(v + 3);
+    int32_t partition = (int32_t)rd32(v + 5);
+    int64_t offset = (int64_t)rd64(v + 9);
+    Py_ssize_t topic_len = rd16(v + 17);
+    if (version != 1) return fail("unsupported marker version %d", version);
+    if (kind < 1 || kind > 5) return fail("unknown marker kind %d", kind);
+    if (flags & ~KNOWN_FLAGS) return fail("unknown flag bits 0x%02x", flags);
+    if (attempt == 0) return fail("attempt must be >= 1");
+    if (partition < 0 || offset < 0) return fail("partition and offset must not be negative");
+    if (topic_len == 0 || topic_len > MAX_TOPIC)
+        return fail("topic length %zd is out of range", topic_len);
+
+    PyObject *f[N_FIELDS] = {NULL};
+    Py_ssize_t pos = HEAD_SIZE + topic_len;
+    if (pos + 2 > size) return fail("marker truncated in the topic");
+    f[2] = topic_str(&topic_cache[0], v + HEAD_SIZE, topic_len);
+    if (f[2] == NULL) goto error;
+    Py_ssize_t group_len = rd16(v + pos);
+    Py_ssize_t end = pos + 2 + group_len;
+    if (end > size || group_len == 0 || group_len > MAX_GROUP) {
+        fail("group is empty, too long or truncated");
+        goto error;
+    }
+    f[1] = text_str(&group_cache, v + pos + 2, group_len, "group");
+    if (f[1] == NULL) goto error;
+    pos = end;
+
+    int32_t origin_partition = partition;
+    int64_t origin_offset = offset;
+    if (flags & FLAG_HAS_ORIGIN) {
+        if (pos + 14 > size) { fail("marker truncated in the origin"); goto error; }
+        origin_partition = (int32_t)rd32(v + pos);
+        origin_offset = (int64_t)rd64(v + pos + 4);
+        Py_ssize_t origin_len = rd16(v + pos + 12);
+        if (origin_partition < 0 || origin_offset < 0) {
+            fail("origin partition and offset must not be negative");
+            goto error;
+        }
+        if (origin_len == 0 || origin_len > MAX_TOPIC) {
+            fail("origin topic length %zd is out of range", origin_len);
+            goto error;
+        }
+        pos += 14;
+        end = pos + origin_len;
+        if (end > size) { fail("marker truncated in the origin topic"); goto error; }
+        f[6] = topic_str(&topic_cache[1], v + pos, origin_len);
+        if (f[6] == NULL) goto error;
+        pos = end;
+        if (origin_offset == offset && origin_partition == partition &&
+            origin_len == topic_len && memcmp(v + HEAD_SIZE, v + pos - origin_len, (size_t)topic_len) == 0) {
+            fail("origin flag set but the origin equals the message");
+            goto error;
+        }
+    } else if (attempt != 1) {
+        fail("a redelivered copy (attempt > 1) must name its origin");
+        goto error;
+    } else {
+        Py_INCREF(f[2]);
+        f[6] = f[2];
+    }
+
+    uint64_t timeout_ms = 0, delay_ms = 0;
+    int policy_delay = 0, deferred = 0;
+    Py_ssize_t n;
+    if (kind != 3 && (flags & DELAY_FLAGS)) {
+        fail("the policy-delay and deferred flags are only valid on DELAY markers");
+        goto error;
+    }
+    switch (kind) {
+    case 2: /* ACK */
+        break;
+    case 1: /* START */
+        if (pos + 6 > size) { fail("START marker truncated"); goto error; }
+        timeout_ms = rd32(v + pos);
+        n = rd16(v + pos + 4);
+        end = pos + 6 + n;
+        if (n > MAX_CONSUMER || end > size) { fail("consumer id too long or truncated"); goto error; }
+        f[12] = text_str(&consumer_cache, v + pos + 6, n, "consumer");
+        if (f[12] == NULL) goto error;
+        pos = end;
+        break;
+    case 3: /* DELAY */
+        if (pos + 10 > size) { fail("DELAY marker truncated"); goto error; }
+        delay_ms = rd64(v + pos);
+        if (delay_ms > MAX_DELAY_MS) {
+            fail("delay of %llu ms is beyond the protocol's limit", (unsigned long long)delay_ms);
+            goto error;
+        }
+        policy_delay = (flags & FLAG_POLICY_DELAY) != 0;
+        deferred = (flags & FLAG_DEFERRED) != 0;
+        if (policy_delay && delay_ms) { fail("a policy DELAY must carry delay_ms=0"); goto error; }
+        if (policy_delay && deferred) {
+            fail("a deferred DELAY cannot leave its delay to the policy");
+            goto error;
+        }
+        n = rd16(v + pos + 8);
+        end = pos + 10 + n;
+        if (n > MAX_REASON || end > size) { fail("DELAY marker reason too long or truncated"); goto error; }
+        f[13] = text_str(NULL, v + pos + 10, n, "reason");
+        if (f[13] == NULL) goto error;
+        pos = end;
+        break;
+    case 4: /* EXTEND */
+        if (pos + 4 > size) { fail("EXTEND marker truncated"); goto error; }
+        timeout_ms = rd32(v + pos);
+        if (timeout_ms == 0) { fail("EXTEND must ask for a positive timeout"); goto error; }
+        pos += 4;
+        break;
+    default: /* 5: REJECT */
+        if (pos + 2 > size) { fail("REJECT marker truncated"); goto error; }
+        n = rd16(v + pos);
+        end = pos + 2 + n;
+        if (n > MAX_REASON || end > size) { fail("REJECT marker reason too long or truncated"); goto error; }
+        f[13] = text_str(NULL, v + pos + 2, n, "reason");
+        if (f[13] == NULL) goto error;
+        pos = end;
+        break;
+    }
+    if (pos != size) {
+        fail("%zd unexpected trailing bytes", size - pos);
+        goto error;
+    }
+
+    f[0] = PyTuple_GET_ITEM(kinds, kind);
+    Py_INCREF(f[0]);
+    f[3] = PyLong_FromLong(partition);
+    f[4] = PyLong_FromLongLong(offset);
+    f[5] = PyLong_FromUnsignedLong(attempt);
+    f[7] = PyLong_FromLong(origin_partition);
+    f[8] = PyLong_FromLongLong(origin_offset);
+    f[9] = PyLong_FromUnsignedLongLong(timeout_ms);
+    f[10] = PyLong_FromUnsignedLongLong(delay_ms);
+    f[11] = policy_delay ? Py_True : Py_False;
+    Py_INCREF(f[11]);
+    if (f[12] == NULL) { Py_INCREF(empty_str); f[12] = empty_str; }
+    if (f[13] == NULL) { Py_INCREF(empty_str); f[13] = empty_str; }
+    f[14] = deferred ? Py_True : Py_False;
+    Py_INCREF(f[14]);
+    for (int i = 0; i < N_FIELDS; i++) {
+        if (f[i] == NULL) goto error;
+    }
+    PyObject *marker = marker_type->tp_alloc(marker_type, N_FIELDS);
+    if (marker == NULL) goto error;
+    for (int i = 0; i < N_FIELDS; i++) {
+        PyTuple_SET_ITEM(marker, i, f[i]); /* steals the reference */
+    }
+    /* Only str, int, bool and enum members inside: no cycles possible, so keep it out of the
+     * cyclic GC's way (CPython would untrack such a tuple at its first collection anyway). */
+    PyObject_GC_UnTrack(marker);
+    return marker;
+
+error:
+    for (int i = 0; i < N_FIELDS; i++) {
+        Py_XDECREF(f[i]);
+    }
+    return NULL;
+}
+
+static PyObject *configure(PyObject *module, PyObject *args) {
+    (void)module;
+    PyObject *cls, *kinds_arg, *err;
+    if (!PyArg_ParseTuple(args, "O!O!O", &PyType_Type, &cls, &PyTuple_Type, &kinds_arg, &err)) {
+        return NULL;
+    }
+    if (!PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type) || PyTuple_GET_SIZE(kinds_arg) != 6) {
+        PyErr_SetString(PyExc_TypeError, "configure(tuple subclass, 6-tuple of kinds, error class)");
+        return NULL;
+    }
+    Py_INCREF(cls);
+    Py_INCREF(kinds_arg);
+    Py_INCREF(err);
+    Py_XSETREF(marker_type, (PyTypeObject *)cls);
+    Py_XSETREF(kinds, kinds_arg);
+    Py_XSETREF(error_cls, err);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode", decode, METH_O, "Decode one v1 marker value (see tracker.protocol.decode_marker)."},
+    {"configure", configure, METH_VARARGS, "configure(marker_cls, kinds, error_cls)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "tracker._speedups", "C decoder for kmq markers.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    empty_str = PyUnicode_FromString("");
+    if (empty_str == NULL) return NULL;
+    return PyModule_Create(&module_def);
+}
