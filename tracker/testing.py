@@ -1,0 +1,46 @@
+"""Test doubles shipped with the package, for unit tests of code built on kmq-tracker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+
+from tracker.errors import MarkerWriteFailed
+from tracker.protocol import Marker, decode_marker, encode_marker
+
+
+def _done() -> asyncio.Future[None]:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
+
+
+class InMemoryMarkerSink:
+    """A :class:`tracker.client.markers.MarkerSink` that keeps markers in a list.
+
+    Markers go through the real encoder and decoder, so an invalid one fails here as it would
+    against Kafka. Set ``fail`` to make the next writes raise :class:`MarkerWriteFailed`.
+    """
+
+    def __init__(self) -> None:
+        self.markers: list[Marker] = []
+        self.fail = False
+
+    async def send(self, marker: Marker) -> Awaitable[None]:
+        if self.fail:
+            raise MarkerWriteFailed("InMemoryMarkerSink was told to fail")
+        self.markers.append(decode_marker(encode_marker(marker)))
+        return _done()
+
+    def send_later(self, marker: Marker) -> None:
+        """Like the Kafka sink: a failure is not raised to the caller (the marker is lost)."""
+        if not self.fail:
+            self.markers.append(decode_marker(encode_marker(marker)))
+
+    async def send_all(self, markers: Sequence[Marker]) -> None:
+        for marker in markers:
+            await self.send(marker)
+
+    async def flush(self) -> None:
+        if self.fail:
+            raise MarkerWriteFailed("InMemoryMarkerSink was told to fail")
