@@ -1,0 +1,540 @@
+"""Tracker settings: environment variables (``KMQ_*``), an optional TOML file, validation.
+
+Every setting has a default that works for the embedded mode (local broker + SQLite file).
+Durations accept seconds (``30``, ``0.5``) or ISO 8601 (``PT30S``, ``P7D``). Nested settings
+use ``__`` in environment variables, e.g. ``KMQ_DEFAULT_POLICY__MAX_ATTEMPTS=8``; per-topic
+policy overrides are easiest in the TOML file::
+
+    [topics.orders]
+    processing_timeout = 120
+    max_attempts = 10
+
+Settings are built once, in the process's factory (:func:`load_settings`), never at import.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+import re
+import socket
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from tracker.ids import is_valid_topic
+
+CONFIG_FILE_ENV = "KMQ_CONFIG_FILE"
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_HUMAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+
+
+def _parse_duration(value: Any) -> Any:
+    """Accept seconds (``30``, ``"0.5"``) and ``500ms``/``30s``/``5m``/``2h``/``7d`` as well
+    as everything pydantic accepts for ``timedelta`` (ISO 8601 ``PT30S``, ``HH:MM:SS``)."""
+    if isinstance(value, str):
+        match = _HUMAN.match(value)
+        if match:
+            return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
+    return value
+
+
+#: A duration setting: see :func:`_parse_duration` for the accepted forms.
+Duration = Annotated[timedelta, BeforeValidator(_parse_duration)]
+
+#: aiokafka client arguments that the ``kafka_security_*`` / ``kafka_sasl_*`` / ``kafka_ssl_*``
+#: settings produce; ``kafka_client_config`` may not set them as well.
+KAFKA_SECURITY_CLIENT_KEYS = frozenset(
+    {
+        "security_protocol",
+        "sasl_mechanism",
+        "sasl_plain_username",
+        "sasl_plain_password",
+        "ssl_context",
+    }
+)
+
+
+def _topic_name(value: str | None) -> str | None:
+    if value is not None and not is_valid_topic(value):
+        raise ValueError(f"{value!r} is not a legal Kafka topic name")
+    return value
+
+
+class BackoffPolicy(BaseModel):
+    """Exponential backoff with a cap and jitter, for retries that do not name a delay."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    initial: Duration = Field(timedelta(seconds=1), description="Delay before the 2nd attempt.")
+    multiplier: float = Field(2.0, ge=1.0, le=100.0, description="Growth per attempt.")
+    max: Duration = Field(timedelta(minutes=15), description="Upper bound of the delay.")
+    jitter: float = Field(
+        0.2, ge=0.0, le=1.0, description="Random spread, as a fraction of the delay (+/-)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> BackoffPolicy:
+        if self.initial <= timedelta(0) or self.max < self.initial:
+            raise ValueError("backoff needs 0 < initial <= max")
+        return self
+
+    def delay_ms(self, attempt: int, seed: bytes) -> int:
+        """The delay after failed attempt ``attempt`` (1-based).
+
+        Jitter is derived from ``seed`` (the message identity), not from a random generator,
+        so replaying the same markers yields the same due time.
+        """
+        base = self.initial.total_seconds() * self.multiplier ** max(0, attempt - 1)
+        base = min(base, self.max.total_seconds())
+        if self.jitter:
+            unit = int.from_bytes(hashlib.blake2b(seed, digest_size=8).digest(), "big") / 2**64
+            base *= 1 + self.jitter * (2 * unit - 1)
+        return max(1, round(base * 1000))
+
+
+class TopicPolicyOverride(BaseModel):
+    """Per-topic overrides; unset fields fall back to ``default_policy``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    processing_timeout: Duration | None = None
+    max_attempts: int | None = Field(None, ge=1, le=0xFFFF)
+    backoff: BackoffPolicy | None = None
+    dlq_topic: str | None = None
+    retry_topic: str | None = None
+    keep_payload_after: Duration | None = None
+
+    _dlq = field_validator("dlq_topic", "retry_topic")(_topic_name)
+
+
+class TopicPolicy(BaseModel):
+    """How the tracker treats messages of one topic."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    processing_timeout: Duration = Field(
+        timedelta(seconds=30),
+        description="Lease of a START that does not name one; redelivered when it expires.",
+    )
+    max_attempts: int = Field(
+        5, ge=1, le=0xFFFF, description="Deliveries before a message goes to the DLQ."
+    )
+    backoff: BackoffPolicy = Field(default_factory=BackoffPolicy)
+    dlq_topic: str | None = Field(None, description="Dead-letter topic; default `<topic>.dlq`.")
+    retry_topic: str | None = Field(
+        None, description="Where redelivered copies go; default the message's own topic."
+    )
+    keep_payload_after: Duration | None = Field(
+        None,
+        description=(
+            "Delays longer than this keep a copy of the payload in the store, so that a "
+            "message outliving the topic's retention is not lost. Default: half the topic's "
+            "retention.ms (7 days assumed when the broker does not say)."
+        ),
+    )
+
+    _dlq = field_validator("dlq_topic", "retry_topic")(_topic_name)
+
+    @model_validator(mode="after")
+    def _check(self) -> TopicPolicy:
+        if self.processing_timeout <= timedelta(0):
+            raise ValueError("processing_timeout must be positive")
+        return self
+
+    def merged(self, override: TopicPolicyOverride | None) -> TopicPolicy:
+        if override is None:
+            return self
+        changes = override.model_dump(exclude_none=True)
+        return self.model_validate({**self.model_dump(), **changes})
+
+    def dlq_for(self, topic: str) -> str:
+        return self.dlq_topic or f"{topic}.dlq"
+
+    def retry_for(self, topic: str) -> str:
+        return self.retry_topic or topic
+
+
+def _default_replica_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class TrackerSettings(BaseSettings):
+    """All settings of the tracker process. Environment variables are ``KMQ_<NAME>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KMQ_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    kafka_bootstrap_servers: str = Field(
+        "localhost:9092", description="Kafka bootstrap servers, comma-separated host:port."
+    )
+    kafka_client_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra aiokafka client settings (e.g. security_protocol) for every client.",
+    )
+    kafka_consumer_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Extra aiokafka settings for the tracker's markers consumer only "
+            "(e.g. session_timeout_ms, heartbeat_interval_ms, fetch_max_bytes)."
+        ),
+    )
+    markers_topic: str = Field("kmq-markers", description="The markers topic consumers write.")
+    markers_partitions: int = Field(
+        12,
+        ge=1,
+        le=10_000,
+        description="Partitions of the markers topic when the tracker creates it.",
+    )
+    markers_replication_factor: int = Field(
+        1, ge=1, le=16, description="Replication factor of topics the tracker creates."
+    )
+    invalid_markers_topic: str | None = Field(
+        None, description="Where refused markers are parked; default `<markers_topic>.invalid`."
+    )
+    tracker_group: str = Field(
+        "kmq-tracker", description="Consumer group of the tracker replicas on the markers topic."
+    )
+    replica_id: str = Field(
+        default_factory=_default_replica_id, description="This replica's name (host:pid)."
+    )
+    database_url: str = Field(
+        "sqlite+aiosqlite:///kmq-tracker.db",
+        description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://...",
+    )
+    migrate_on_start: bool = Field(
+        False, description="Run the database migrations when the process starts."
+    )
+    create_topics: bool = Field(
+        True, description="Create the markers and invalid-markers topics if they are missing."
+    )
+    coalesce_window: Duration = Field(
+        timedelta(seconds=2),
+        description="How long markers wait in memory so that a START and its ACK cancel out.",
+    )
+    ack_grace: Duration = Field(
+        timedelta(milliseconds=500),
+        description=(
+            "An ACK or EXTEND written before a deadline but reaching the tracker up to this "
+            "much later still counts: entries are redelivered no sooner than deadline + grace."
+        ),
+    )
+    ingest_max_records: int = Field(
+        5000, ge=1, le=1_000_000, description="Markers fetched per poll."
+    )
+    max_pending_markers: int = Field(
+        200_000, ge=1, description="Markers held in memory before a flush is forced."
+    )
+    redelivery_batch: int = Field(
+        1000, ge=1, le=100_000, description="Due entries republished per round."
+    )
+    claim_lease: Duration = Field(
+        timedelta(seconds=60),
+        description="How long a replica holds due entries it is republishing before others may.",
+    )
+    max_idle_sleep: Duration = Field(
+        timedelta(seconds=30),
+        description="Longest sleep of the redelivery loop when nothing is due (a safety net).",
+    )
+    allowed_topics: list[str] | None = Field(
+        None, description="If set, markers for other topics are refused as invalid."
+    )
+    default_policy: TopicPolicy = Field(default_factory=TopicPolicy)
+    topics: dict[str, TopicPolicyOverride] = Field(
+        default_factory=dict, description="Per-topic policy overrides, by topic name."
+    )
+    http_host: str = Field("127.0.0.1", description="Address the HTTP API listens on.")
+    http_port: int = Field(8080, ge=0, le=65535, description="Port of the HTTP API.")
+    api_enabled: bool = Field(
+        True, description="Serve the admin API and the sidecar marker endpoint from `run`."
+    )
+    api_token: SecretStr | None = Field(
+        None,
+        description=(
+            "Bearer token of the admin API: required for every mutation (actions, redrive "
+            "jobs, sidecar markers) and accepted for reads. Unset: mutations are refused."
+        ),
+    )
+    api_read_token: SecretStr | None = Field(
+        None, description="Optional bearer token that may only read (GET endpoints)."
+    )
+    api_max_body_bytes: int = Field(
+        1_048_576,
+        ge=1024,
+        le=64 * 1_048_576,
+        description="Largest request body the API accepts; larger requests get 413.",
+    )
+    api_cors_origins: list[str] = Field(
+        default_factory=list,
+        description="Origins allowed to call the API from a browser (CORS); empty: CORS off.",
+    )
+    api_payload_preview_bytes: int = Field(
+        4096,
+        ge=0,
+        le=1_048_576,
+        description="Default size cap of payload previews in the message and DLQ views.",
+    )
+    api_marker_history_scan: int = Field(
+        5000,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "How many records back from the end of a markers partition the message view "
+            "searches for that message's markers (0: no marker history)."
+        ),
+    )
+    redrive_lease: Duration = Field(
+        timedelta(seconds=60),
+        description=(
+            "How long a replica holds a redrive job without renewing before another replica "
+            "may take it over (after a crash). Keep it above the Kafka producer's request "
+            "timeout (40 s by default), so that no produce of the old owner is still in flight."
+        ),
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Least severe log level written."
+    )
+    log_format: Literal["json", "text"] = Field("text", description="Log line format.")
+
+    # -- Kafka security (every Kafka client the tracker creates; see tracker/kafka/security.py)
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT",
+        description=(
+            "How the tracker's Kafka clients connect: PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or "
+            "SASL_SSL (SASL over TLS)."
+        ),
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = Field(
+        None, description="SASL mechanism; required with the SASL_* protocols."
+    )
+    kafka_sasl_username: str | None = Field(
+        None, description="SASL user name; required with the SASL_* protocols."
+    )
+    kafka_sasl_password: SecretStr | None = Field(
+        None, description="SASL password (secret); required with the SASL_* protocols."
+    )
+    kafka_ssl_cafile: str | None = Field(
+        None,
+        description=(
+            "PEM file of the CA(s) that signed the brokers' certificates (SSL, SASL_SSL); "
+            "default: the system's trusted CAs."
+        ),
+    )
+    kafka_ssl_certfile: str | None = Field(
+        None, description="PEM client certificate (chain) for mutual TLS."
+    )
+    kafka_ssl_keyfile: str | None = Field(
+        None, description="PEM private key of the client certificate; needs kafka_ssl_certfile."
+    )
+    kafka_ssl_key_password: SecretStr | None = Field(
+        None, description="Password of an encrypted kafka_ssl_keyfile (secret)."
+    )
+    kafka_ssl_check_hostname: bool = Field(
+        True,
+        description=(
+            "Check that a broker's certificate names the host connected to. Turn off only for "
+            "brokers addressed by IP with certificates that do not list it."
+        ),
+    )
+
+    _topics = field_validator("markers_topic", "invalid_markers_topic")(_topic_name)
+
+    @field_validator("allowed_topics")
+    @classmethod
+    def _allowed(cls, value: list[str] | None) -> list[str] | None:
+        for topic in value or []:
+            _topic_name(topic)
+        return value
+
+    @field_validator("topics")
+    @classmethod
+    def _topic_keys(cls, value: dict[str, TopicPolicyOverride]) -> dict[str, TopicPolicyOverride]:
+        for topic in value:
+            _topic_name(topic)
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database(cls, value: str) -> str:
+        if not value.startswith(("sqlite+aiosqlite://", "postgresql+asyncpg://")):
+            raise ValueError(
+                "database_url must start with sqlite+aiosqlite:// or postgresql+asyncpg://"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> TrackerSettings:
+        if self.coalesce_window < timedelta(0):
+            raise ValueError("coalesce_window must not be negative")
+        if self.claim_lease <= timedelta(seconds=1):
+            raise ValueError("claim_lease must be longer than 1 s")
+        if self.invalid_markers_topic == self.markers_topic:
+            raise ValueError("invalid_markers_topic must differ from markers_topic")
+        for name in ("api_token", "api_read_token"):
+            secret = getattr(self, name)
+            if secret is not None and len(secret.get_secret_value()) < 8:
+                raise ValueError(f"{name} must be at least 8 characters long")
+        if (
+            self.api_token is not None
+            and self.api_read_token is not None
+            and self.api_token.get_secret_value() == self.api_read_token.get_secret_value()
+        ):
+            raise ValueError("api_read_token must differ from api_token")
+        if self.redrive_lease <= timedelta(seconds=1):
+            raise ValueError("redrive_lease must be longer than 1 s")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kafka_security(self) -> TrackerSettings:
+        """Kafka security settings that only make sense together (see tracker/kafka/security)."""
+        protocol = self.kafka_security_protocol
+        sasl = protocol.startswith("SASL_")
+        tls = protocol.endswith("SSL")
+        sasl_set = [
+            name
+            for name in ("kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password")
+            if getattr(self, name) is not None
+        ]
+        if sasl:
+            missing = [
+                name
+                for name in ("kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password")
+                if name not in sasl_set
+            ]
+            if missing:
+                raise ValueError(f"kafka_security_protocol {protocol} needs {', '.join(missing)}")
+        elif sasl_set:
+            raise ValueError(
+                f"{', '.join(sasl_set)} set but kafka_security_protocol is {protocol}: "
+                "use SASL_SSL (or SASL_PLAINTEXT)"
+            )
+        tls_set = [
+            name
+            for name in (
+                "kafka_ssl_cafile",
+                "kafka_ssl_certfile",
+                "kafka_ssl_keyfile",
+                "kafka_ssl_key_password",
+            )
+            if getattr(self, name) is not None
+        ]
+        if tls_set and not tls:
+            raise ValueError(
+                f"{', '.join(tls_set)} set but kafka_security_protocol is {protocol}: "
+                "use SSL or SASL_SSL"
+            )
+        if self.kafka_ssl_keyfile is not None and self.kafka_ssl_certfile is None:
+            raise ValueError("kafka_ssl_keyfile needs kafka_ssl_certfile")
+        if self.kafka_ssl_key_password is not None and self.kafka_ssl_keyfile is None:
+            raise ValueError("kafka_ssl_key_password needs kafka_ssl_keyfile")
+        clashes = sorted(KAFKA_SECURITY_CLIENT_KEYS.intersection(self.kafka_client_config))
+        if clashes and (protocol != "PLAINTEXT" or sasl_set or tls_set):
+            raise ValueError(
+                f"kafka_client_config sets {', '.join(clashes)}: configure Kafka security "
+                "with the kafka_security_protocol / kafka_sasl_* / kafka_ssl_* settings only"
+            )
+        return self
+
+    @property
+    def invalid_topic(self) -> str:
+        return self.invalid_markers_topic or f"{self.markers_topic}.invalid"
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    def policy_for(self, topic: str) -> TopicPolicy:
+        return self.default_policy.merged(self.topics.get(topic))
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Precedence: explicit arguments > environment > TOML file (``KMQ_CONFIG_FILE``)."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get(CONFIG_FILE_ENV)
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        return tuple(sources)
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> TrackerSettings:
+    """Build the settings from the environment, ``config_file`` (TOML) and ``overrides``.
+
+    Raises ``pydantic.ValidationError`` or ``ConfigFileError`` with a readable message.
+    """
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigFileError(f"config file {str(path)!r} does not exist")
+        previous = os.environ.get(CONFIG_FILE_ENV)
+        os.environ[CONFIG_FILE_ENV] = str(path)
+        try:
+            return TrackerSettings(**overrides)
+        finally:
+            if previous is None:
+                del os.environ[CONFIG_FILE_ENV]
+            else:
+                os.environ[CONFIG_FILE_ENV] = previous
+    return TrackerSettings(**overrides)
+
+
+#: ``KMQ_*`` variables that are not settings but are read elsewhere (or by the test tooling).
+NOT_SETTINGS = frozenset(
+    {CONFIG_FILE_ENV, "KMQ_PURE_PYTHON", "KMQ_REQUIRE_SPEEDUPS", "KMQ_SOAK"}
+    | {"KMQ_RELIABILITY_FIGURES"}
+)
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """One warning per ``KMQ_*`` variable that sets nothing (a typo falls back to a default).
+
+    pydantic-settings ignores environment variables that match no field, so a misspelt
+    ``KMQ_DATABSE_URL`` would silently leave the tracker on the default SQLite file.
+    """
+    prefix = "KMQ_"
+    known = {prefix + name.upper() for name in TrackerSettings.model_fields}
+    warnings = []
+    for variable in sorted(environ):
+        if not variable.startswith(prefix) or variable in NOT_SETTINGS:
+            continue
+        if variable in known or variable.split("__", 1)[0] in known:
+            continue
+        hint = difflib.get_close_matches(variable, known, n=1)
+        suggestion = f" (did you mean {hint[0]}?)" if hint else ""
+        warnings.append(
+            f"environment variable {variable} is not a setting and is ignored{suggestion}"
+        )
+    return warnings
+
+
+class ConfigFileError(ValueError):
+    """The configuration file cannot be used."""
