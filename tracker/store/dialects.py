@@ -1,0 +1,208 @@
+"""Every difference between SQLite and PostgreSQL lives here.
+
+* Engines: SQLite runs in WAL mode with ``synchronous=NORMAL`` and a busy timeout, and opens
+  write transactions with ``BEGIN IMMEDIATE`` so that two writers queue instead of failing on a
+  lock upgrade. PostgreSQL uses a pre-pinged pool.
+* Upserts: ``INSERT ... ON CONFLICT DO UPDATE`` through each dialect's own construct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import ColumnElement, Table, and_, bindparam, event, func, or_, select, tuple_
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.sql import Select
+from sqlalchemy.sql.dml import Insert
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: Keys per :func:`keys_in` on SQLite (an OR chain; SQLite's expression depth limit is 1,000).
+SQLITE_MAX_KEYS = 500
+# How long disposing an engine waits for aiosqlite's worker threads to wind down.
+SQLITE_THREADS_SETTLE_S = 2.0
+
+
+def is_sqlite(engine: AsyncEngine) -> bool:
+    return engine.dialect.name == "sqlite"
+
+
+def create_engine(url: str, *, echo: bool = False) -> AsyncEngine:
+    """An async engine for ``url`` with the settings the tracker relies on."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_async_engine(
+            url,
+            echo=echo,
+            hide_parameters=True,  # errors and logs never carry payloads or message data
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+        )
+        _configure_sqlite(engine)
+        return engine
+    return create_async_engine(
+        url,
+        echo=echo,
+        hide_parameters=True,
+        pool_pre_ping=True,
+        pool_size=5,
+        max_overflow=5,
+        pool_timeout=30,
+    )
+
+
+#: Execution option of :func:`read_engine`'s transactions.
+READ_ONLY_OPTION = "kmq_read_only"
+
+
+def read_engine(engine: AsyncEngine) -> AsyncEngine:
+    """The same engine (same pool) for transactions that only read.
+
+    On SQLite, write transactions start with ``BEGIN IMMEDIATE`` so that two writers queue on
+    the busy timeout instead of failing on a lock upgrade; a read started that way would wait
+    for (and hold up) the ingest and redelivery writers. Reads through this engine start with
+    a plain ``BEGIN`` instead: in WAL mode they see the last commit and never block. A write
+    inside such a transaction would fail at once with "database is locked"; only pure reads
+    use it. On PostgreSQL it is the engine itself.
+    """
+    if not is_sqlite(engine):
+        return engine
+    return engine.execution_options(**{READ_ONLY_OPTION: True})
+
+
+async def settle_failed_sqlite(engine: AsyncEngine) -> None:
+    """After a failed SQLite connect: close the engine and let the driver's threads finish.
+
+    aiosqlite runs each connection on a thread that reports back through the event loop. When a
+    connection fails to open (a missing directory, an unreadable file), aiosqlite stops that
+    thread without waiting for it; if the process then closes its loop at once, the thread dies
+    with "Event loop is closed" and prints a traceback after our one-line error. Waiting here,
+    while the loop still runs, keeps a refused start to exactly that one line. Only for failure
+    paths: healthy connections of other engines in the process would make it wait the full
+    bound.
+    """
+    await engine.dispose()
+    if not is_sqlite(engine):
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SQLITE_THREADS_SETTLE_S
+    for thread in threading.enumerate():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            break
+        if thread.name.endswith("(_connection_worker_thread)") and thread.is_alive():
+            await asyncio.to_thread(thread.join, remaining)
+
+
+def _configure_sqlite(engine: AsyncEngine) -> None:
+    sync_engine = engine.sync_engine
+
+    @event.listens_for(sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take over transaction control from the driver (so BEGIN IMMEDIATE below is ours).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(sync_engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        if connection.get_execution_options().get(READ_ONLY_OPTION):
+            # A read in WAL mode sees the last commit and never waits for the writer.
+            connection.exec_driver_sql("BEGIN")
+        else:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+async def lock_rows_in_order(conn: AsyncConnection, query: Select[Any], order: Any) -> None:
+    """Lock the rows ``query`` selects, in ``order``, until the transaction ends.
+
+    PostgreSQL: ``SELECT ... ORDER BY ... FOR UPDATE``. SQLite needs nothing: its write
+    transactions (``BEGIN IMMEDIATE``) already run one at a time.
+    """
+    if conn.dialect.name == "sqlite":
+        return
+    await conn.execute(query.order_by(order).with_for_update())
+
+
+def upsert(engine: AsyncEngine, table: Table, update: Sequence[str]) -> Insert:
+    """``INSERT ... ON CONFLICT (primary key) DO UPDATE SET <update columns>``.
+
+    Execute it with a list of row dicts: SQLAlchemy batches the rows into multi-row
+    statements ("insertmanyvalues") with a cached statement, which is far faster than
+    building a ``.values(rows)`` statement per call.
+    """
+    keys = [c.name for c in table.primary_key.columns]
+    if is_sqlite(engine):
+        sqlite_stmt = sqlite_insert(table)
+        return sqlite_stmt.on_conflict_do_update(
+            index_elements=keys, set_={c: sqlite_stmt.excluded[c] for c in update}
+        )
+    pg_stmt = pg_insert(table)
+    return pg_stmt.on_conflict_do_update(
+        index_elements=keys, set_={c: pg_stmt.excluded[c] for c in update}
+    )
+
+
+def insert_ignore(engine: AsyncEngine, table: Table, rows: Sequence[dict[str, Any]]) -> Insert:
+    """``INSERT rows ... ON CONFLICT DO NOTHING``."""
+    if is_sqlite(engine):
+        return sqlite_insert(table).values(list(rows)).on_conflict_do_nothing()
+    return pg_insert(table).values(list(rows)).on_conflict_do_nothing()
+
+
+def keys_in(
+    engine: AsyncEngine, columns: Sequence[ColumnElement[Any]], keys: Sequence[Sequence[Any]]
+) -> ColumnElement[bool]:
+    """``(columns) IN keys`` for many composite keys.
+
+    PostgreSQL gets the keys as one array per column, unnested into a set the planner can
+    hash-join (a literal list of row values becomes a long OR chain there). SQLite is the
+    other way round: it scans the whole table for ``(a, b, c, d) IN (VALUES ...)`` (420 ms for
+    1,000 keys at 1M rows). There the keys are grouped by all but their last column, and each
+    group becomes ``a = ? AND b = ? AND c = ? AND d IN (...)``, one primary-key search per key
+    (4 ms), with few terms to compile (a flush names few topic-partitions; an OR of one term
+    per key cost 50 ms of SQLAlchemy compilation per 500 keys). Its parser refuses expressions
+    deeper than 1,000, so at most ``SQLITE_MAX_KEYS`` groups go into one query (callers chunk
+    long key lists anyway).
+    """
+    if not keys:
+        return tuple_(*columns).in_([])
+    if is_sqlite(engine):
+        *prefix_columns, last = columns
+        groups: dict[tuple[Any, ...], list[Any]] = {}
+        for key in keys:
+            groups.setdefault(tuple(key[:-1]), []).append(key[-1])
+        if len(groups) > SQLITE_MAX_KEYS:
+            raise ValueError(
+                f"{len(groups)} key groups in one SQLite query; chunk to {SQLITE_MAX_KEYS}"
+            )
+        return or_(
+            *(
+                and_(
+                    *(c == v for c, v in zip(prefix_columns, prefix, strict=True)), last.in_(values)
+                )
+                for prefix, values in groups.items()
+            )
+        )
+    arrays = []
+    for i, column in enumerate(columns):
+        values = [key[i] for key in keys]
+        arrays.append(bindparam(f"keys_{i}", values, type_=ARRAY(column.type)))
+    names = [f"k{i}" for i in range(len(columns))]
+    rows = func.unnest(*arrays).table_valued(*names).render_derived()
+    return tuple_(*columns).in_(select(*rows.c))
+
+
+def max_bind_rows(engine: AsyncEngine, columns: int) -> int:
+    """How many rows one multi-row statement may carry within the driver's parameter limit."""
+    limit = 32_766 if is_sqlite(engine) else 32_767
+    return max(1, limit // max(1, columns))

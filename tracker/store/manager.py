@@ -1,0 +1,700 @@
+"""The store manager: the only code that talks to the database.
+
+Each public method is one transaction. Driver errors never leak: they become
+:class:`StoreUnavailable` (retry later) or :class:`Fenced` (stop acting on those partitions).
+
+Ownership and fencing: each markers partition has a row with an *epoch*. A replica that is
+assigned the partition bumps the epoch; every later write for that partition (applying
+markers, claiming due entries) first updates the row *where the epoch is still ours*. On
+PostgreSQL that update also row-locks the partition, so a takeover and a write serialize; on
+SQLite there is one writer anyway. A replica whose epoch moved on gets :class:`Fenced`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from sqlalchemy import Row, Table, and_, bindparam, delete, func, select, tuple_, update
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from tracker.engine.entries import Entry, EntryKey, PolicyLookup, State, apply_marker, entry_key
+from tracker.errors import KmqError
+from tracker.protocol import Marker
+
+from .dialects import (
+    create_engine,
+    insert_ignore,
+    is_sqlite,
+    keys_in,
+    lock_rows_in_order,
+    max_bind_rows,
+    read_engine,
+    upsert,
+)
+from .errors import Fenced, StoreUnavailable
+from .models import DeadLetter, MarkersPartition, TrackedMessage
+
+tracked: Table = TrackedMessage.__table__  # type: ignore[assignment]
+partitions_table: Table = MarkersPartition.__table__  # type: ignore[assignment]
+dead_letters: Table = DeadLetter.__table__  # type: ignore[assignment]
+
+#: The columns of an entry's key, in key order.
+KEY_COLUMNS = (
+    tracked.c.group_id,
+    tracked.c.origin_topic,
+    tracked.c.origin_partition,
+    tracked.c.origin_offset,
+)
+_ENTRY_COLUMNS = (
+    "group_id",
+    "origin_topic",
+    "origin_partition",
+    "origin_offset",
+    "markers_partition",
+    "state",
+    "attempt",
+    "copy_topic",
+    "copy_partition",
+    "copy_offset",
+    "due_at_ms",
+    "first_seen_ms",
+    "updated_ms",
+    "deferred",
+    "consumer",
+    "reason",
+    "keep_payload",
+    "claim_token",
+)
+_UPDATE_COLUMNS = _ENTRY_COLUMNS[4:]
+_KEY_CHUNK = 500
+_KEY_NAMES = ("k_group", "k_topic", "k_partition", "k_offset")
+
+
+def _by_key() -> Any:
+    """``pk columns = :k_*`` for executemany statements keyed by entry."""
+    return and_(*(c == bindparam(n) for c, n in zip(KEY_COLUMNS, _KEY_NAMES, strict=True)))
+
+
+def _row_key(row: dict[str, Any]) -> tuple[str, str, int, int]:
+    return (row["group_id"], row["origin_topic"], row["origin_partition"], row["origin_offset"])
+
+
+def _key_params(key: tuple[str, str, int, int]) -> dict[str, Any]:
+    return dict(zip(_KEY_NAMES, key, strict=True))
+
+
+_DELETE_BY_KEY = delete(tracked).where(_by_key())
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingMarker:
+    """A decoded marker waiting to be applied, with where it came from."""
+
+    marker: Marker
+    ref_ms: int  #: the reference time of its durations (record timestamp, clamped)
+    markers_partition: int
+    markers_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionProgress:
+    epoch: int
+    next_offset: int  #: the first markers offset not applied after this flush
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    anomalies: list[tuple[PendingMarker, str]] = field(default_factory=list)
+    upserted: int = 0
+    deleted: int = 0
+    earliest_due_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    epoch: int
+    next_offset: int | None  #: None: nothing applied yet, start from the committed offset
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPayload:
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+    timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterRecord:
+    entry: Entry
+    dlq_topic: str
+    dlq_partition: int
+    dlq_offset: int
+    reason: str
+    dead_lettered_ms: int
+    message_key: bytes | None
+
+
+def encode_headers(headers: Iterable[tuple[str, bytes | None]]) -> bytes:
+    """Headers as ``u16 name length, name, i32 value length (-1 = null), value`` repeated."""
+    out = bytearray()
+    for name, value in headers:
+        raw = name.encode("utf-8")
+        out += struct.pack(">H", len(raw)) + raw
+        if value is None:
+            out += struct.pack(">i", -1)
+        else:
+            out += struct.pack(">i", len(value)) + bytes(value)
+    return bytes(out)
+
+
+def decode_headers(data: bytes | None) -> tuple[tuple[str, bytes | None], ...]:
+    out: list[tuple[str, bytes | None]] = []
+    pos = 0
+    data = data or b""
+    while pos < len(data):
+        (name_len,) = struct.unpack_from(">H", data, pos)
+        name = data[pos + 2 : pos + 2 + name_len].decode("utf-8")
+        pos += 2 + name_len
+        (value_len,) = struct.unpack_from(">i", data, pos)
+        pos += 4
+        value = None if value_len < 0 else data[pos : pos + value_len]
+        pos += max(0, value_len)
+        out.append((name, value))
+    return tuple(out)
+
+
+def entry_from_row(row: Row[Any]) -> Entry:
+    """An :class:`Entry` from a row selecting the tracked-message columns."""
+    m = row._mapping
+    return Entry(
+        group_id=m["group_id"],
+        origin_topic=m["origin_topic"],
+        origin_partition=m["origin_partition"],
+        origin_offset=m["origin_offset"],
+        markers_partition=m["markers_partition"],
+        state=State(m["state"]),
+        attempt=m["attempt"],
+        copy_topic=m["copy_topic"],
+        copy_partition=m["copy_partition"],
+        copy_offset=m["copy_offset"],
+        due_at_ms=m["due_at_ms"],
+        first_seen_ms=m["first_seen_ms"],
+        updated_ms=m["updated_ms"],
+        deferred=bool(m["deferred"]),
+        consumer=m["consumer"],
+        reason=m["reason"],
+        keep_payload=bool(m["keep_payload"]),
+        claim_token=m["claim_token"],
+    )
+
+
+def _row_from_entry(entry: Entry) -> dict[str, Any]:
+    row = {name: getattr(entry, name) for name in _ENTRY_COLUMNS}
+    row["state"] = entry.state.value
+    return row
+
+
+def _chunks(items: Sequence[_T], size: int) -> Iterable[Sequence[_T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class Store:
+    """All database access of the tracker (and, later, of the admin API)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        #: the same pool, for transactions that only read (they never wait for SQLite's writer)
+        self.read_engine = read_engine(engine)
+
+    @classmethod
+    def from_url(cls, url: str, *, echo: bool = False) -> Store:
+        return cls(create_engine(url, echo=echo))
+
+    @property
+    def is_sqlite(self) -> bool:
+        return is_sqlite(self.engine)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    @contextlib.asynccontextmanager
+    async def transaction(
+        self,
+        *,
+        read_only: bool = False,
+        passthrough: tuple[type[BaseException], ...] = (),
+    ) -> AsyncIterator[AsyncConnection]:
+        """One transaction, with driver errors translated to :class:`StoreUnavailable`.
+
+        ``read_only`` transactions never wait for SQLite's write lock (see
+        :func:`~tracker.store.dialects.read_engine`). Our own errors (``Fenced``,
+        ``StoreUnavailable``, ...) and the driver errors named in ``passthrough`` (the admin
+        store's unique-key races, which its callers resolve) pass through untranslated.
+        """
+        engine = self.read_engine if read_only else self.engine
+        try:
+            async with engine.begin() as connection:
+                yield connection
+        except KmqError:
+            raise
+        except passthrough:
+            raise
+        except (SQLAlchemyError, OSError, ConnectionError) as exc:
+            raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
+
+    async def ping(self) -> None:
+        """Raise :class:`StoreUnavailable` unless the database answers."""
+        async with self.transaction() as conn:
+            await conn.execute(select(1))
+
+    # -- ownership ---------------------------------------------------------------------
+
+    async def claim_partitions(
+        self, markers_topic: str, partitions: Iterable[int], owner: str, now_ms: int
+    ) -> dict[int, Claim]:
+        """Take these markers partitions over: bump their epochs, return where to resume."""
+        claims: dict[int, Claim] = {}
+        async with self.transaction() as conn:
+            for partition in sorted(set(partitions)):
+                key = and_(
+                    partitions_table.c.markers_topic == markers_topic,
+                    partitions_table.c.partition == partition,
+                )
+                await conn.execute(
+                    insert_ignore(
+                        self.engine,
+                        partitions_table,
+                        [
+                            {
+                                "markers_topic": markers_topic,
+                                "partition": partition,
+                                "epoch": 0,
+                                "owner": None,
+                                "next_offset": -1,
+                                "updated_ms": now_ms,
+                            }
+                        ],
+                    )
+                )
+                result = await conn.execute(
+                    update(partitions_table)
+                    .where(key)
+                    .values(epoch=partitions_table.c.epoch + 1, owner=owner, updated_ms=now_ms)
+                    .returning(partitions_table.c.epoch, partitions_table.c.next_offset)
+                )
+                epoch, next_offset = result.one()
+                claims[partition] = Claim(epoch, None if next_offset < 0 else next_offset)
+        return claims
+
+    async def release_partitions(self, markers_topic: str, epochs: dict[int, int]) -> None:
+        """Give partitions up (on revoke or shutdown) if they are still ours."""
+        async with self.transaction() as conn:
+            for partition, epoch in epochs.items():
+                await conn.execute(
+                    update(partitions_table)
+                    .where(
+                        partitions_table.c.markers_topic == markers_topic,
+                        partitions_table.c.partition == partition,
+                        partitions_table.c.epoch == epoch,
+                    )
+                    .values(owner=None)
+                )
+
+    async def _fence(
+        self,
+        conn: AsyncConnection,
+        markers_topic: str,
+        epochs: dict[int, int],
+        now_ms: int,
+        next_offsets: dict[int, int] | None = None,
+    ) -> set[int]:
+        """Touch each partition row where the epoch is ours; return the partitions fenced."""
+        fenced: set[int] = set()
+        for partition in sorted(epochs):
+            values: dict[str, Any] = {"updated_ms": now_ms}
+            if next_offsets is not None and partition in next_offsets:
+                values["next_offset"] = next_offsets[partition]
+            result = await conn.execute(
+                update(partitions_table)
+                .where(
+                    partitions_table.c.markers_topic == markers_topic,
+                    partitions_table.c.partition == partition,
+                    partitions_table.c.epoch == epochs[partition],
+                )
+                .values(**values)
+            )
+            if result.rowcount != 1:
+                fenced.add(partition)
+        return fenced
+
+    # -- ingest ------------------------------------------------------------------------
+
+    async def _load(self, conn: AsyncConnection, keys: Sequence[EntryKey]) -> dict[EntryKey, Entry]:
+        found: dict[EntryKey, Entry] = {}
+        columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+        chunk_size = _KEY_CHUNK if self.is_sqlite else 10 * _KEY_CHUNK
+        for chunk in _chunks(keys, chunk_size):
+            rows = await conn.execute(
+                select(*columns).where(keys_in(self.engine, KEY_COLUMNS, chunk))
+            )
+            for row in rows:
+                entry = entry_from_row(row)
+                found[entry.key] = entry
+        return found
+
+    async def apply(
+        self,
+        markers_topic: str,
+        progress: dict[int, PartitionProgress],
+        markers: Sequence[PendingMarker],
+        policy_for: PolicyLookup,
+        now_ms: int,
+    ) -> ApplyResult:
+        """Apply markers (in order) and record how far each partition is applied, atomically.
+
+        Markers of one message fold in memory first, so a START followed by its ACK writes
+        nothing (unless an older entry for the message exists, which the ACK then removes).
+        Raises :class:`Fenced` (and applies nothing) if any partition is no longer ours.
+        """
+        by_key: dict[EntryKey, list[PendingMarker]] = defaultdict(list)
+        for pending in markers:
+            by_key[entry_key(pending.marker)].append(pending)
+        result = ApplyResult()
+        async with self.transaction() as conn:
+            fenced = await self._fence(
+                conn,
+                markers_topic,
+                {p: pr.epoch for p, pr in progress.items()},
+                now_ms,
+                {p: pr.next_offset for p, pr in progress.items()},
+            )
+            if fenced:
+                raise Fenced(fenced)
+            keys = list(by_key)
+            existing = await self._load(conn, keys)
+            upserts: list[dict[str, Any]] = []
+            deletes: list[EntryKey] = []
+            for key in keys:
+                before = existing.get(key)
+                entry = before
+                for pending in by_key[key]:
+                    entry, anomaly = apply_marker(
+                        entry,
+                        pending.marker,
+                        pending.ref_ms,
+                        pending.markers_partition,
+                        policy_for,
+                    )
+                    if anomaly is not None:
+                        result.anomalies.append((pending, anomaly))
+                if entry is None:
+                    if before is not None:
+                        deletes.append(key)
+                elif entry != before:
+                    upserts.append(_row_from_entry(entry))
+                    if entry.due_at_ms is not None and (
+                        result.earliest_due_ms is None or entry.due_at_ms < result.earliest_due_ms
+                    ):
+                        result.earliest_due_ms = entry.due_at_ms
+            # Rows are written in key order, as finish_redelivery does: two transactions that
+            # lock the same rows in the same order cannot deadlock (PostgreSQL).
+            if upserts:
+                upserts.sort(key=_row_key)
+                await conn.execute(upsert(self.engine, tracked, _UPDATE_COLUMNS), upserts)
+            if deletes:
+                await conn.execute(_DELETE_BY_KEY, [_key_params(k) for k in sorted(deletes)])
+            result.upserted, result.deleted = len(upserts), len(deletes)
+        return result
+
+    # -- redelivery --------------------------------------------------------------------
+
+    async def next_due_ms(self, partitions: Iterable[int]) -> int | None:
+        owned = sorted(set(partitions))
+        if not owned:
+            return None
+        # One MIN per partition: each is a single probe of (markers_partition, due_at_ms),
+        # whatever the table's size; MIN over an IN list scanned every owned row on PostgreSQL
+        # (35x slower at 1M entries than at 10k).
+        earliest = [
+            select(func.min(tracked.c.due_at_ms))
+            .where(tracked.c.markers_partition == p, tracked.c.due_at_ms.is_not(None))
+            .scalar_subquery()
+            for p in owned
+        ]
+        async with self.transaction(read_only=True) as conn:
+            found = (await conn.execute(select(*earliest))).one()
+        values = [int(v) for v in found if v is not None]
+        return min(values) if values else None
+
+    async def claim_due(
+        self,
+        markers_topic: str,
+        *,
+        epochs: dict[int, int],
+        due_by: dict[int, int],
+        now_ms: int,
+        limit: int,
+        lease_ms: int,
+        token: str,
+    ) -> tuple[list[Entry], set[int]]:
+        """Claim up to ``limit`` entries due by ``due_by[partition]`` in our partitions.
+
+        ``epochs`` are all partitions we believe we own (each is fenced); only those present
+        in ``due_by`` are searched. Claimed entries are pushed to ``now_ms + lease_ms``, so if
+        this replica dies while republishing them they become due again for whoever owns the
+        partition then. Returns the claimed entries (as they were before the claim) and the
+        partitions we turned out to be fenced from.
+        """
+        async with self.transaction() as conn:
+            fenced = await self._fence(conn, markers_topic, epochs, now_ms)
+            searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
+            if not searched:
+                return [], fenced
+            columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+            # Each partition's earliest entries come from its own range of the
+            # (markers_partition, due_at_ms) index; the earliest ``limit`` of them all are
+            # claimed. One query over an OR of partitions sorted every due row first (17x
+            # slower at 1M entries than at 10k).
+            candidates: list[Entry] = []
+            for p, t in sorted(searched.items()):
+                rows = await conn.execute(
+                    select(*columns)
+                    .where(tracked.c.markers_partition == p, tracked.c.due_at_ms <= t)
+                    .order_by(tracked.c.due_at_ms)
+                    .limit(limit)
+                )
+                candidates.extend(entry_from_row(row) for row in rows)
+            candidates.sort(key=lambda e: (e.due_at_ms, e.key))
+            entries = candidates[:limit]
+            keys = [e.key for e in entries]
+            for chunk in _chunks(keys, _KEY_CHUNK):
+                await conn.execute(
+                    update(tracked)
+                    .where(keys_in(self.engine, KEY_COLUMNS, chunk))
+                    .values(claim_token=token, due_at_ms=now_ms + lease_ms)
+                )
+        return [replace(e, claim_token=token) for e in entries], fenced
+
+    async def finish_redelivery(
+        self,
+        token: str,
+        *,
+        markers_topic: str,
+        partitions: Iterable[int],
+        done: Sequence[EntryKey],
+        dead: Sequence[DeadLetterRecord],
+        lost: Sequence[tuple[EntryKey, str]],
+        retry: Sequence[tuple[EntryKey, int]],
+        now_ms: int,
+    ) -> None:
+        """Record the outcome of a redelivery round for entries claimed with ``token``.
+
+        ``done``: a copy was produced (the entry goes; the copy's START recreates it).
+        ``dead``: published to the DLQ. ``lost``: the original is gone (kept, with reason).
+        ``retry``: could not act now; due again at the given time.
+
+        ``partitions``: the markers partitions of the claimed entries. Their rows are locked
+        first, as every ingest flush (``apply``) does before it writes entries: a flush and a
+        round's record on the same partition then run one after the other instead of locking
+        the same entry rows in different orders (which PostgreSQL ends with a deadlock, and
+        whose victim, if it is this record, leaves copies out and entries claimed).
+        """
+        async with self.transaction() as conn:
+            await lock_rows_in_order(
+                conn,
+                select(partitions_table.c.partition).where(
+                    partitions_table.c.markers_topic == markers_topic,
+                    partitions_table.c.partition.in_(sorted(set(partitions))),
+                ),
+                partitions_table.c.partition,
+            )
+            finished = sorted([*done, *(d.entry.key for d in dead)])
+            for chunk in _chunks(finished, _KEY_CHUNK):
+                await conn.execute(
+                    delete(tracked).where(
+                        keys_in(self.engine, KEY_COLUMNS, chunk), tracked.c.claim_token == token
+                    )
+                )
+            if dead:
+                rows = [
+                    {
+                        "group_id": d.entry.group_id,
+                        "origin_topic": d.entry.origin_topic,
+                        "origin_partition": d.entry.origin_partition,
+                        "origin_offset": d.entry.origin_offset,
+                        "source_topic": d.entry.copy_topic,
+                        "source_partition": d.entry.copy_partition,
+                        "source_offset": d.entry.copy_offset,
+                        "dlq_topic": d.dlq_topic,
+                        "dlq_partition": d.dlq_partition,
+                        "dlq_offset": d.dlq_offset,
+                        "reason": d.reason,
+                        "last_error": d.entry.reason,
+                        "attempts": d.entry.attempt,
+                        "first_seen_ms": d.entry.first_seen_ms,
+                        "dead_lettered_ms": d.dead_lettered_ms,
+                        "message_key": d.message_key,
+                        "redriven_ms": None,
+                    }
+                    for d in dead
+                ]
+                for row_chunk in _chunks(rows, max_bind_rows(self.engine, 17)):
+                    await conn.execute(dead_letters.insert().values(list(row_chunk)))
+            for key, reason in sorted(lost):
+                await conn.execute(
+                    update(tracked)
+                    .where(tuple_(*KEY_COLUMNS) == key, tracked.c.claim_token == token)
+                    .values(
+                        state=State.LOST.value,
+                        due_at_ms=None,
+                        reason=reason,
+                        claim_token=None,
+                        updated_ms=now_ms,
+                    )
+                )
+            for key, due_ms in sorted(retry):
+                await conn.execute(
+                    update(tracked)
+                    .where(tuple_(*KEY_COLUMNS) == key, tracked.c.claim_token == token)
+                    .values(due_at_ms=due_ms, claim_token=None)
+                )
+
+    # -- payload copies for long delays --------------------------------------------------
+
+    async def entries_needing_payload(self, partitions: Iterable[int], limit: int) -> list[Entry]:
+        owned = sorted(set(partitions))
+        if not owned:
+            return []
+        columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+        async with self.transaction() as conn:
+            rows = await conn.execute(
+                select(*columns)
+                .where(
+                    tracked.c.markers_partition.in_(owned),
+                    tracked.c.keep_payload.is_(True),
+                    tracked.c.payload_stored.is_(False),
+                    tracked.c.due_at_ms.is_not(None),
+                )
+                .limit(limit)
+            )
+            return [entry_from_row(row) for row in rows]
+
+    async def store_payloads(self, payloads: Sequence[tuple[EntryKey, StoredPayload]]) -> None:
+        async with self.transaction() as conn:
+            for key, payload in payloads:
+                await conn.execute(
+                    update(tracked)
+                    .where(tuple_(*KEY_COLUMNS) == key)
+                    .values(
+                        payload_stored=True,
+                        payload_key=payload.key,
+                        payload_value=payload.value,
+                        payload_headers=encode_headers(payload.headers),
+                        payload_timestamp_ms=payload.timestamp_ms,
+                    )
+                )
+
+    async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
+        async with self.transaction() as conn:
+            for key, reason in items:
+                await conn.execute(
+                    update(tracked)
+                    .where(tuple_(*KEY_COLUMNS) == key)
+                    .values(
+                        state=State.LOST.value,
+                        due_at_ms=None,
+                        reason=reason,
+                        claim_token=None,
+                        updated_ms=now_ms,
+                    )
+                )
+
+    async def load_payloads(self, keys: Sequence[EntryKey]) -> dict[EntryKey, StoredPayload]:
+        found: dict[EntryKey, StoredPayload] = {}
+        async with self.transaction() as conn:
+            for chunk in _chunks(keys, _KEY_CHUNK):
+                rows = await conn.execute(
+                    select(
+                        *KEY_COLUMNS,
+                        tracked.c.payload_key,
+                        tracked.c.payload_value,
+                        tracked.c.payload_headers,
+                        tracked.c.payload_timestamp_ms,
+                    ).where(
+                        keys_in(self.engine, KEY_COLUMNS, chunk),
+                        tracked.c.payload_stored.is_(True),
+                    )
+                )
+                for row in rows:
+                    m = row._mapping
+                    found[
+                        (
+                            m["group_id"],
+                            m["origin_topic"],
+                            m["origin_partition"],
+                            m["origin_offset"],
+                        )
+                    ] = StoredPayload(
+                        m["payload_key"],
+                        m["payload_value"],
+                        decode_headers(m["payload_headers"]),
+                        m["payload_timestamp_ms"] or 0,
+                    )
+        return found
+
+    # -- inspection (tests, API) -------------------------------------------------------
+
+    async def get_entry(self, key: EntryKey) -> Entry | None:
+        async with self.transaction() as conn:
+            found = await self._load(conn, [key])
+        return found.get(key)
+
+    async def count_entries(self, state: State | None = None) -> int:
+        query = select(func.count()).select_from(tracked)
+        if state is not None:
+            query = query.where(tracked.c.state == state.value)
+        async with self.transaction() as conn:
+            return int(await conn.scalar(query) or 0)
+
+    async def list_entries(self, limit: int = 1000, *, group: str | None = None) -> list[Entry]:
+        columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+        query = select(*columns).order_by(*KEY_COLUMNS).limit(limit)
+        if group is not None:
+            query = query.where(tracked.c.group_id == group)
+        async with self.transaction() as conn:
+            rows = await conn.execute(query)
+            return [entry_from_row(row) for row in rows]
+
+    async def list_dead_letters(
+        self, limit: int = 1000, *, topic: str | None = None
+    ) -> list[dict[str, Any]]:
+        query = select(dead_letters).order_by(dead_letters.c.id).limit(limit)
+        if topic is not None:
+            query = query.where(dead_letters.c.origin_topic == topic)
+        async with self.transaction() as conn:
+            rows = await conn.execute(query)
+            return [dict(row._mapping) for row in rows]
+
+    async def partition_offsets(self, markers_topic: str) -> dict[int, tuple[int, int]]:
+        """``{partition: (epoch, next_offset)}`` for a markers topic."""
+        async with self.transaction() as conn:
+            rows = await conn.execute(
+                select(
+                    partitions_table.c.partition,
+                    partitions_table.c.epoch,
+                    partitions_table.c.next_offset,
+                ).where(partitions_table.c.markers_topic == markers_topic)
+            )
+            return {r.partition: (r.epoch, r.next_offset) for r in rows}
+
+
+PolicyFactory = Callable[[str], PolicyLookup]

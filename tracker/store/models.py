@@ -1,0 +1,236 @@
+"""The schema, as SQLAlchemy models. Alembic migrations (``migrations/``) must match it; a test
+compares ``upgrade head`` with these models on SQLite and PostgreSQL.
+
+Times are integer milliseconds since the Unix epoch (UTC): identical on both databases, cheap
+to index and compare, and the unit of the marker protocol.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigIntId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TrackedMessage(Base):
+    """One logical message per consumer group that is not yet done (see engine.entries)."""
+
+    __tablename__ = "tracked_messages"
+
+    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    origin_partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    origin_offset: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    markers_partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    state: Mapped[str] = mapped_column(String(16), nullable=False)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    copy_topic: Mapped[str] = mapped_column(String(249), nullable=False)
+    copy_partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    copy_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    #: deadline or due time; NULL exactly when the entry is lost (so due scans skip it)
+    due_at_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    first_seen_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    deferred: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    consumer: Mapped[str] = mapped_column(String(255), nullable=False, server_default=text("''"))
+    reason: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    keep_payload: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, server_default=text("false")
+    )
+    claim_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    payload_stored: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, server_default=text("false")
+    )
+    payload_key: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    payload_value: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    payload_headers: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    payload_timestamp_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+    __table_args__ = (
+        # The redelivery loop: "what is due next in my partitions".
+        Index("ix_tracked_partition_due", "markers_partition", "due_at_ms"),
+        # The admin API: filter by state, order by due time.
+        Index("ix_tracked_state_due", "state", "due_at_ms"),
+        Index("ix_tracked_topic_state", "origin_topic", "state"),
+    )
+
+
+class MarkersPartition(Base):
+    """Per markers partition: who owns it (epoch) and how far its markers are applied."""
+
+    __tablename__ = "markers_partitions"
+
+    markers_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    #: bumped by every replica that takes the partition over; writes check it (fencing)
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    #: the first markers offset not yet applied to this store
+    next_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class DeadLetter(Base):
+    """A message the tracker published to a dead-letter topic."""
+
+    __tablename__ = "dead_letters"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    group_id: Mapped[str] = mapped_column(String(255), nullable=False)
+    origin_topic: Mapped[str] = mapped_column(String(249), nullable=False)
+    origin_partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    origin_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    source_topic: Mapped[str] = mapped_column(String(249), nullable=False)
+    source_partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    source_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    dlq_topic: Mapped[str] = mapped_column(String(249), nullable=False)
+    dlq_partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    dlq_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    last_error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False)
+    first_seen_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    dead_lettered_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    message_key: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    redriven_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+    __table_args__ = (
+        Index("ix_dead_letters_topic_time", "origin_topic", "dead_lettered_ms"),
+        Index(
+            "ix_dead_letters_origin",
+            "group_id",
+            "origin_topic",
+            "origin_partition",
+            "origin_offset",
+        ),
+    )
+
+
+# -- the admin API (migration 0002) ----------------------------------------------------------
+
+
+class EntryAction(Base):
+    """An operator action on one tracked message (audit trail and idempotency record).
+
+    Every request is recorded, including refused ones, with who asked, why, and what came of
+    it; a request carrying an ``Idempotency-Key`` is answered from its row when repeated.
+    """
+
+    __tablename__ = "entry_actions"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    group_id: Mapped[str] = mapped_column(String(255), nullable=False)
+    origin_topic: Mapped[str] = mapped_column(String(249), nullable=False)
+    origin_partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    origin_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    #: redeliver | ack | extend | dead_letter
+    action: Mapped[str] = mapped_column(String(16), nullable=False)
+    actor: Mapped[str] = mapped_column(String(255), nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    #: the action's parameters as JSON (e.g. the extension), to compare repeated requests
+    params: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("'{}'"))
+    #: applied | unchanged | conflict | not_found
+    outcome: Mapped[str] = mapped_column(String(16), nullable=False)
+    detail: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    state_before: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    state_after: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    due_at_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+
+    __table_args__ = (
+        Index(
+            "ix_entry_actions_entry",
+            "group_id",
+            "origin_topic",
+            "origin_partition",
+            "origin_offset",
+            "id",
+        ),
+        # NULLs are distinct on both databases: only keyed requests are unique.
+        Index("ux_entry_actions_idempotency", "idempotency_key", unique=True),
+    )
+
+
+class RedriveJob(Base):
+    """A request to republish dead letters, and its progress.
+
+    ``owner``/``lease_token``/``lease_until_ms``: the replica running it holds a lease and
+    renews it; after a crash another replica takes the job over once the lease ran out.
+    ``scan_offsets``: the target partitions' end offsets (JSON) when the current lease began;
+    a replica taking over scans from there for records this job produced but did not record.
+    """
+
+    __tablename__ = "redrive_jobs"
+
+    id: Mapped[int] = mapped_column(BigIntId, primary_key=True, autoincrement=True)
+    #: pending | running | done | cancelled | failed
+    state: Mapped[str] = mapped_column(String(16), nullable=False)
+    #: the selection as JSON: {"filter": {...}} or {"ids": [...]}
+    selection: Mapped[str] = mapped_column(Text, nullable=False)
+    #: NULL: each message goes back to its origin topic
+    target_topic: Mapped[str | None] = mapped_column(String(249), nullable=True)
+    rate: Mapped[float] = mapped_column(Float, nullable=False)
+    dry_run: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    total_count: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    done_count: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    skipped_count: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    created_by: Mapped[str] = mapped_column(String(255), nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    created_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    started_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finished_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    cancel_requested: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, server_default=text("false")
+    )
+    owner: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    lease_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_until_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    scan_offsets: Mapped[str | None] = mapped_column(Text, nullable=True)
+    last_error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+
+    __table_args__ = (
+        Index("ix_redrive_jobs_state", "state", "lease_until_ms"),
+        Index("ux_redrive_jobs_idempotency", "idempotency_key", unique=True),
+    )
+
+
+class RedriveItem(Base):
+    """One dead letter of a redrive job.
+
+    States: ``pending`` (not yet taken), ``sending`` (the dead letter is reserved for this job:
+    its ``redriven_ms`` is set, the record may be on its way), ``done`` (produced, with where),
+    ``skipped`` (already redriven by another job, or its DLQ record is gone: see ``detail``),
+    ``cancelled``.
+    """
+
+    __tablename__ = "redrive_items"
+
+    job_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    dead_letter_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), nullable=False)
+    detail: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    target_topic: Mapped[str | None] = mapped_column(String(249), nullable=True)
+    produced_partition: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    produced_offset: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+    __table_args__ = (Index("ix_redrive_items_state", "job_id", "state", "dead_letter_id"),)
