@@ -1,0 +1,1 @@
+"""The tracker engine: marker ingest, the deadline store's state machine, redelivery."""

@@ -1,0 +1,375 @@
+"""The tracker process: builds every part from the settings and runs them until stopped.
+
+``Tracker`` is the app factory and supervisor: it owns the store, the Kafka clients and the
+side tasks (ingest, redelivery, payload keeper), each a named task driven by one stop event.
+``await tracker.run()`` runs until :meth:`Tracker.stop` (SIGTERM in ``kmq-tracker run``); on
+the way out it finishes the current batch, applies what it read, commits and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from tracker.clock import Clock, SystemClock
+from tracker.engine.ingest import MarkerIngest
+from tracker.engine.parking import InvalidMarkerParker
+from tracker.engine.payloads import PayloadKeeper
+from tracker.engine.redeliver import Redeliverer, TrackerEvent
+from tracker.engine.redrive import RedriveRunner
+from tracker.engine.topics import TopicCatalog
+from tracker.kafka.admin import ensure_topic, topic_timestamp_type
+from tracker.kafka.originals import OriginalsReader
+from tracker.kafka.scan import PartitionScanner
+from tracker.kafka.security import kafka_client_options
+from tracker.metrics import Metrics
+from tracker.settings import TrackerSettings
+from tracker.store import Store, StoreUnavailable
+from tracker.store.admin import AdminStore
+from tracker.store.migrate import check_schema, database_errors, upgrade
+
+log = logging.getLogger(__name__)
+
+HEALTH_PING_TIMEOUT = 2.0  #: seconds the readiness check waits for the database
+
+EventHook = Callable[[TrackerEvent], Awaitable[None] | None]
+
+
+def _retrieve_outcome(task: asyncio.Task[None]) -> None:
+    """Mark a background task's exception as seen (it is read where it matters)."""
+    if not task.cancelled():
+        task.exception()
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """What readiness is made of."""
+
+    running: bool
+    store_ok: bool
+    broker_ok: bool
+    owned_partitions: list[int]
+    last_error: str | None
+
+    @property
+    def ready(self) -> bool:
+        return self.running and self.store_ok and self.broker_ok
+
+
+class Tracker:
+    """One tracker replica."""
+
+    def __init__(
+        self,
+        settings: TrackerSettings,
+        *,
+        clock: Clock | None = None,
+        metrics: Metrics | None = None,
+        on_event: EventHook | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock: Clock = clock or SystemClock()
+        self.metrics = metrics or Metrics()
+        self.store = Store.from_url(settings.database_url)
+        self._on_event = on_event
+        self._client_config: dict[str, Any] = kafka_client_options(settings)
+        bootstrap = settings.kafka_bootstrap_servers
+        self.catalog = TopicCatalog(settings, client_config=self._client_config)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=settings.tracker_group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            client_id=f"kmq-tracker-{settings.replica_id}",
+            **{**self._client_config, **settings.kafka_consumer_config},
+        )
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap, acks="all", linger_ms=2, **self._client_config
+        )
+        self.originals = OriginalsReader(bootstrap, client_config=self._client_config)
+        self.ingest = MarkerIngest(
+            consumer=self._consumer,
+            store=self.store,
+            parker=InvalidMarkerParker(
+                self._producer, settings.invalid_topic, settings.markers_topic
+            ),
+            markers_topic=settings.markers_topic,
+            replica_id=settings.replica_id,
+            policy_for=self.catalog.resolved,
+            clock=self.clock,
+            metrics=self.metrics,
+            coalesce_window=settings.coalesce_window.total_seconds(),
+            ack_grace_ms=int(settings.ack_grace.total_seconds() * 1000),
+            max_records=settings.ingest_max_records,
+            max_pending=settings.max_pending_markers,
+            check_marker=self.catalog,
+            on_due=self._due,
+            on_ownership=self._ownership_changed,
+        )
+        self.redeliverer = Redeliverer(
+            store=self.store,
+            producer=self._producer,
+            originals=self.originals,
+            markers_topic=settings.markers_topic,
+            owned_epochs=self.ingest.owned_epochs,
+            safe_until=self.ingest.safe_until,
+            pending_keys=self.ingest.pending_keys,
+            policy_for=self.catalog.policy,
+            clock=self.clock,
+            metrics=self.metrics,
+            batch=settings.redelivery_batch,
+            claim_lease_ms=int(settings.claim_lease.total_seconds() * 1000),
+            max_idle=settings.max_idle_sleep.total_seconds(),
+            on_event=on_event,
+            ensure_topic=self._ensure_output_topic if settings.create_topics else None,
+        )
+        self._ensured: set[str] = set()
+        self.payloads = PayloadKeeper(
+            store=self.store,
+            originals=self.originals,
+            owned_partitions=lambda: sorted(self.ingest.owned_epochs()),
+            clock=self.clock,
+            metrics=self.metrics,
+        )
+        self.scanner = PartitionScanner(bootstrap, client_config=self._client_config)
+        self.redrive = RedriveRunner(
+            admin=AdminStore(self.store, settings.markers_topic),
+            producer=self._producer,
+            originals=self.originals,
+            scanner=self.scanner,
+            owner=settings.replica_id,
+            metrics=self.metrics,
+            lease_seconds=settings.redrive_lease.total_seconds(),
+            clock=self.clock,
+        )
+        self._api: Any = None
+        self._stopping = asyncio.Event()
+        self._started = False
+        self._running = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ping: asyncio.Task[None] | None = None
+
+    # -- wiring ---------------------------------------------------------------------------
+
+    def _due(self, due_ms: int) -> None:
+        self.redeliverer.notify_due(due_ms)
+        self.payloads.notify()
+
+    def _ownership_changed(self) -> None:
+        self.redeliverer.notify_ownership()
+        self.payloads.notify()
+        self._warn_if_sqlite_shared()
+
+    def _warn_if_sqlite_shared(self) -> None:
+        """SQLite is single-replica: a second tracker in the group would split the state."""
+        if not self.store.is_sqlite:
+            return
+        total = self._consumer.partitions_for_topic(self.settings.markers_topic) or set()
+        owned = self.ingest.owned_epochs()
+        if owned and len(owned) < len(total):
+            log.error(
+                "MISCONFIGURED: the SQLite store supports exactly one tracker replica, but "
+                "consumer group %r gave this replica only %d of %d markers partitions: another "
+                "replica is running. Stop it, or use PostgreSQL for several replicas.",
+                self.settings.tracker_group,
+                len(owned),
+                len(total),
+            )
+
+    async def _ensure_output_topic(self, topic: str, like: str) -> None:
+        """Create a DLQ or retry topic on first use, with as many partitions as ``like``."""
+        if topic in self._ensured:
+            return
+        partitions = self._consumer.partitions_for_topic(like) or set()
+        await ensure_topic(
+            self.settings.kafka_bootstrap_servers,
+            topic,
+            partitions=max(1, len(partitions)),
+            client_config=self._client_config,
+        )
+        self._ensured.add(topic)
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Schema and topics: migrate if asked, refuse an outdated schema, create topics."""
+        async with database_errors(self.store.engine):
+            if self.settings.migrate_on_start:
+                await upgrade(self.store.engine)
+            await check_schema(self.store.engine)
+        if self.settings.create_topics:
+            await ensure_topic(
+                self.settings.kafka_bootstrap_servers,
+                self.settings.markers_topic,
+                partitions=self.settings.markers_partitions,
+                replication_factor=None,
+                configs={"message.timestamp.type": "LogAppendTime"},
+                client_config=self._client_config,
+            )
+            await ensure_topic(
+                self.settings.kafka_bootstrap_servers,
+                self.settings.invalid_topic,
+                partitions=1,
+                client_config=self._client_config,
+            )
+        kind = await topic_timestamp_type(
+            self.settings.kafka_bootstrap_servers,
+            self.settings.markers_topic,
+            client_config=self._client_config,
+        )
+        if kind == "CreateTime":
+            log.warning(
+                "markers topic %r uses CreateTime: deadlines follow the consumers' clocks; "
+                "set message.timestamp.type=LogAppendTime (see docs/protocol.md, Time)",
+                self.settings.markers_topic,
+            )
+
+    async def start(self) -> None:
+        """Connect everything and start the side tasks (returns once they run)."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()  # no client or connection outlives a failed start
+            raise
+
+    async def _start(self) -> None:
+        await self.prepare()
+        await self._producer.start()
+        await self.originals.start()
+        await self.catalog.start()
+        self._consumer.subscribe([self.settings.markers_topic], listener=self.ingest.listener())
+        await self._consumer.start()
+        self._running = True
+        self._tasks = [
+            asyncio.create_task(self.ingest.run(self._stopping), name="kmq-ingest"),
+            asyncio.create_task(self.redeliverer.run(self._stopping), name="kmq-redelivery"),
+            asyncio.create_task(self.payloads.run(self._stopping), name="kmq-payloads"),
+            asyncio.create_task(self.redrive.run(self._stopping), name="kmq-redrive"),
+        ]
+        if self.settings.api_enabled:
+            from api.app import create_app  # noqa: PLC0415 - the engine works without the API
+            from api.context import ApiContext  # noqa: PLC0415
+            from api.server import serve  # noqa: PLC0415
+
+            self._api = ApiContext.from_tracker(self)
+            server = serve(
+                create_app(self._api),
+                self.settings.http_host,
+                self.settings.http_port,
+                self._stopping,
+            )
+            self._tasks.append(asyncio.create_task(server, name="kmq-api"))
+        log.info(
+            "tracker %s running: markers %r, store %s",
+            self.settings.replica_id,
+            self.settings.markers_topic,
+            self.store.engine.url.render_as_string(hide_password=True),
+        )
+
+    async def run(self) -> None:
+        """Start, then wait until stopped (or a side task fails), then shut down."""
+        await self.start()
+        try:
+            stop = asyncio.ensure_future(self._stopping.wait())
+            done, _ = await asyncio.wait([*self._tasks, stop], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            for task in done:
+                if task is not stop and task.exception() is not None:
+                    log.error("task %s failed", task.get_name(), exc_info=task.exception())
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            await self.close()
+
+    def stop(self) -> None:
+        """Ask the tracker to shut down gracefully (safe from signal handlers)."""
+        self._stopping.set()
+
+    async def close(self) -> None:
+        self._stopping.set()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await asyncio.wait_for(asyncio.shield(task), 30)
+                except TimeoutError:
+                    task.cancel()
+                except Exception:
+                    log.exception("task %s failed while stopping", task.get_name())
+        self._tasks = []
+        if self._api is not None:
+            await self._api.close()
+            self._api = None
+        await self.scanner.stop()
+        if self._running:
+            self._running = False
+            await self.ingest.release_all()
+        with contextlib.suppress(Exception):
+            await self._consumer.stop()  # also when never started: aiokafka warns otherwise
+        await self.catalog.stop()
+        await self.originals.stop()
+        with contextlib.suppress(Exception):
+            await self._producer.stop()
+        if self._ping is not None:
+            # Bounded: a ping stuck on a locked database must not hold the shutdown.
+            self._ping.cancel()
+            await asyncio.wait({self._ping}, timeout=HEALTH_PING_TIMEOUT)
+            self._ping = None
+        await self.store.close()
+
+    async def _store_answers(self) -> bool:
+        """Whether the database answered a ping within ``HEALTH_PING_TIMEOUT``.
+
+        One ping runs at a time, in the background, and health checks share it: a locked
+        SQLite file or a hung connection cannot be timed out from outside (cancelling the
+        waiting coroutine still leaves the driver's thread blocked, and the connection's
+        cleanup queues behind it for the whole busy timeout), so a probe that waited for its
+        own ping would hang with it, and every new probe would pile up another blocked ping.
+        While the ping is unanswered, the store reads as down.
+        """
+        ping = self._ping
+        if ping is None or ping.done():
+            ping = self._ping = asyncio.create_task(self.store.ping(), name="kmq-health-ping")
+            ping.add_done_callback(_retrieve_outcome)
+        done, _ = await asyncio.wait({ping}, timeout=HEALTH_PING_TIMEOUT)
+        if not done or ping.cancelled():
+            return False
+        error = ping.exception()
+        if error is not None and not isinstance(error, StoreUnavailable):
+            log.warning("database ping failed: %r", error)
+        return error is None
+
+    @property
+    def producer(self) -> Any:
+        """The tracker's Kafka producer (shared with the API it serves)."""
+        return self._producer
+
+    async def __aenter__(self) -> Tracker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- health ---------------------------------------------------------------------------
+
+    async def health(self) -> Health:
+        store_ok = self.ingest.store_ok and await self._store_answers()
+        return Health(
+            # A side task that ended (ingest, redelivery, ...) means this replica no longer
+            # does its job, even if the process is still up.
+            running=self._running
+            and not self._stopping.is_set()
+            and not any(task.done() for task in self._tasks),
+            store_ok=store_ok,
+            broker_ok=self.ingest.broker_answering(),
+            owned_partitions=sorted(self.ingest.owned_epochs()),
+            last_error=self.ingest.last_error or self.redeliverer.last_error,
+        )
