@@ -1,0 +1,1 @@
+"""The kmq-tracker HTTP API (admin REST API and sidecar marker endpoint)."""

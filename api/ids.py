@@ -1,0 +1,82 @@
+"""Message ids and pagination cursors of the admin API.
+
+A message id is ``<group>/<topic>/<partition>/<offset>`` of the origin: what the tracker keys
+its state by. Topic names cannot contain ``/`` and partition and offset are numbers, so the id
+is split from the right and a group id may itself contain ``/``. In a URL path the id is
+written as is or percent-encoded (``billing%2Forders%2F3%2F42``), both work.
+
+Cursors are opaque to clients: base64url JSON holding the sort key of the last row returned
+and a fingerprint of the query's filters, so that a cursor is refused with another query.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from typing import Any
+
+from tracker.engine.entries import EntryKey
+from tracker.ids import is_valid_topic
+
+from .errors import ApiError
+
+MAX_PARTITION = 2**31 - 1
+MAX_OFFSET = 2**63 - 1
+
+
+def format_message_id(key: EntryKey) -> str:
+    group, topic, partition, offset = key
+    return f"{group}/{topic}/{partition}/{offset}"
+
+
+def parse_message_id(text: str) -> EntryKey:
+    """The entry key of a message id; :class:`ApiError` 422 explains what is wrong."""
+    parts = text.rsplit("/", 3)
+    example = "like billing/orders/3/42 (group/topic/partition/offset)"
+    if len(parts) != 4:
+        raise ApiError(422, f"message id {text[:300]!r} is not {example}")
+    group, topic, partition, offset = parts
+    if not group or len(group.encode("utf-8", "replace")) > 255 or "\x00" in group:
+        raise ApiError(422, f"message id {text[:300]!r}: the group must be 1-255 bytes, no NUL")
+    if not is_valid_topic(topic):
+        raise ApiError(422, f"message id {text[:300]!r}: {topic[:260]!r} is not a topic name")
+    if not (partition.isascii() and partition.isdigit() and offset.isascii() and offset.isdigit()):
+        raise ApiError(422, f"message id {text[:300]!r}: partition and offset must be numbers")
+    p, o = int(partition), int(offset)
+    if p > MAX_PARTITION or o > MAX_OFFSET:
+        raise ApiError(422, f"message id {text[:300]!r}: partition or offset out of range")
+    try:
+        group.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(422, "message id: the group is not valid Unicode") from None
+    return (group, topic, p, o)
+
+
+def fingerprint(filters: dict[str, Any]) -> str:
+    """A short hash of a query's filters (cursors remember which query they belong to)."""
+    raw = json.dumps(filters, sort_keys=True, default=str).encode()
+    return hashlib.blake2b(raw, digest_size=6).hexdigest()
+
+
+def encode_cursor(position: list[Any], query: str) -> str:
+    raw = json.dumps({"v": 1, "q": query, "k": position}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def decode_cursor(cursor: str, query: str) -> list[Any]:
+    """The position in ``cursor``; :class:`ApiError` 422 if it is not one of this query's."""
+    try:
+        padded = cursor + "=" * (-len(cursor) % 4)
+        data = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
+    except (ValueError, binascii.Error, UnicodeError):
+        raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is") from None
+    if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("k"), list):
+        raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is")
+    if data.get("q") != query:
+        raise ApiError(
+            422, "this cursor belongs to a listing with other filters; start without a cursor"
+        )
+    position: list[Any] = data["k"]
+    return position

@@ -1,0 +1,142 @@
+"""Payload previews and marker histories for the message and dead-letter views.
+
+A preview shows bytes as text when they are UTF-8 text (no control characters other than tab
+and line breaks), else as base64, capped at a size so that a large record cannot blow up a
+response. Marker history is read from the message's markers partition: only its last records
+(``api_marker_history_scan``), since the markers topic is the history and SQL keeps none.
+"""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+
+from aiokafka import TopicPartition
+
+from tracker.clock import from_millis
+from tracker.engine.entries import EntryKey
+from tracker.errors import MarkerError
+from tracker.kafka.originals import OriginalRecord
+from tracker.kafka.scan import PartitionScanner
+from tracker.partitioning import marker_key
+from tracker.protocol import Marker, decode_marker
+
+from .models import (
+    BytesPreview,
+    HeaderPreview,
+    MarkerEvent,
+    MarkerHistory,
+    PayloadPreview,
+    Position,
+)
+
+_ALLOWED_CONTROLS = {"\t", "\n", "\r"}
+
+
+def _is_text(data: bytes) -> bool:
+    try:
+        decoded = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return not any(ch < " " and ch not in _ALLOWED_CONTROLS for ch in decoded)
+
+
+def bytes_preview(data: bytes | None, cap: int) -> BytesPreview | None:
+    if data is None:
+        return None
+    shown = data[:cap]
+    truncated = len(data) > cap
+    if _is_text(data):
+        # The cut may split a character: drop the partial tail.
+        return BytesPreview(
+            encoding="utf-8",
+            data=shown.decode("utf-8", "ignore"),
+            size=len(data),
+            truncated=truncated,
+        )
+    return BytesPreview(
+        encoding="base64",
+        data=base64.b64encode(shown).decode("ascii"),
+        size=len(data),
+        truncated=truncated,
+    )
+
+
+def _time(ms: int | None) -> datetime | None:
+    if ms is None or ms < 0:
+        return None
+    return from_millis(ms).astimezone(UTC)
+
+
+def payload_preview(
+    position: Position, record: OriginalRecord, cap: int, *, source: str = "kafka"
+) -> PayloadPreview:
+    return PayloadPreview(
+        source="store" if source == "store" else "kafka",
+        position=position,
+        timestamp=_time(record.timestamp_ms),
+        key=bytes_preview(record.key, cap),
+        value=bytes_preview(record.value, cap),
+        headers=[
+            HeaderPreview(name=name, value=bytes_preview(value, cap))
+            for name, value in record.headers
+        ],
+    )
+
+
+def _event(marker: Marker, offset: int, timestamp: int | None) -> MarkerEvent:
+    return MarkerEvent(
+        kind=marker.kind.name.lower(),
+        attempt=marker.attempt,
+        record=Position(topic=marker.topic, partition=marker.partition, offset=marker.offset),
+        markers_offset=offset,
+        timestamp=_time(timestamp),
+        timeout_ms=marker.timeout_ms,
+        delay_ms=marker.delay_ms,
+        policy_delay=marker.policy_delay,
+        deferred=marker.deferred,
+        consumer=marker.consumer,
+        reason=marker.reason,
+    )
+
+
+async def marker_history(
+    scanner: PartitionScanner,
+    markers_topic: str,
+    markers_partition: int,
+    key: EntryKey,
+    window: int,
+) -> MarkerHistory:
+    """The markers about ``key`` among the last ``window`` records of its markers partition."""
+    group, topic, partition, offset = key
+    tp = TopicPartition(markers_topic, markers_partition)
+    begin, end = (await scanner.bounds([tp]))[tp]
+    start = max(begin, end - window)
+    wanted_key = marker_key(topic, partition)
+    events: list[MarkerEvent] = []
+
+    def collect(record: object) -> None:
+        if getattr(record, "key", None) != wanted_key:
+            return
+        try:
+            marker = decode_marker(getattr(record, "value", None))
+        except MarkerError:
+            return
+        if (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset) == (
+            group,
+            topic,
+            partition,
+            offset,
+        ):
+            events.append(
+                _event(marker, getattr(record, "offset", -1), getattr(record, "timestamp", None))
+            )
+
+    await scanner.scan({tp: (start, end)}, collect)
+    return MarkerHistory(
+        markers_partition=markers_partition,
+        events=events,
+        scanned_from=start,
+        scanned_to=end,
+        complete=start <= begin,
+    )

@@ -1,0 +1,407 @@
+"""Tracked messages: listing with filters and cursor pagination, one message, actions."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Path, Query
+from pydantic import AwareDatetime
+
+from tracker.clock import to_millis
+from tracker.engine.entries import EntryKey, State
+from tracker.ids import MessageId
+from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.partitioning import markers_partition
+from tracker.store.admin import (
+    ActionKind as StoreAction,
+)
+from tracker.store.admin import (
+    ActionRequest,
+    EntryFilter,
+    EntryOrder,
+    EntryView,
+    IdempotencyConflict,
+    Outcome,
+)
+
+from ..context import ApiContext
+from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
+from ..errors import ApiError
+from ..ids import decode_cursor, encode_cursor, fingerprint, format_message_id, parse_message_id
+from ..models import (
+    TEXT_PATTERN,
+    TOPIC_PATTERN,
+    ActionBody,
+    ActionResponse,
+    ExtendBody,
+    MessageDetail,
+    MessagePage,
+    MessageState,
+    MessageStatus,
+    PayloadPreview,
+)
+from ..previews import marker_history, payload_preview
+from ..security import Principal
+from ..views import action_view, dead_letter_view, message_summary, position
+from . import READ_ERRORS, WRITE_ERRORS, errors
+
+router = APIRouter(prefix="/v1/messages", tags=["messages"])
+
+MessageIdPath = Annotated[
+    str,
+    Path(
+        description="`<group>/<topic>/<partition>/<offset>` of the origin, as is or "
+        "percent-encoded.",
+        examples=["billing/orders/3/42"],
+    ),
+]
+
+
+def _check_position(raw: list[Any], order: EntryOrder) -> list[Any]:
+    types: tuple[type, ...] = (str, str, int, int)
+    if order is EntryOrder.DUE:
+        types = (int, *types)
+    if len(raw) != len(types) or not all(
+        isinstance(v, t) and not isinstance(v, bool) for v, t in zip(raw, types, strict=False)
+    ):
+        raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is")
+    return raw
+
+
+@router.get(
+    "",
+    response_model=MessagePage,
+    summary="List tracked messages",
+    responses=errors(*READ_ERRORS),
+)
+async def list_messages(
+    *,
+    context: Context,
+    _: Reader,
+    topic: Annotated[str | None, Query(pattern=TOPIC_PATTERN, description="Origin topic.")] = None,
+    partition: Annotated[
+        int | None, Query(ge=0, le=2**31 - 1, description="Origin partition.")
+    ] = None,
+    state: Annotated[
+        list[MessageState] | None,
+        Query(description="One or more states (repeat the parameter)."),
+    ] = None,
+    group: Annotated[
+        str | None,
+        Query(min_length=1, max_length=255, pattern=TEXT_PATTERN, description="Consumer group."),
+    ] = None,
+    due_before: Annotated[
+        AwareDatetime | None, Query(description="Due (deadline) strictly before.")
+    ] = None,
+    due_after: Annotated[AwareDatetime | None, Query(description="Due at or after.")] = None,
+    min_attempt: Annotated[
+        int | None, Query(ge=1, le=0xFFFF, description="Attempt at least.")
+    ] = None,
+    order: Annotated[
+        Literal["key", "due"],
+        Query(
+            description="`key`: by id, stable under any concurrent change; `due`: by due "
+            "time (lost messages, which have none, are left out)."
+        ),
+    ] = "key",
+    limit: Limit = 100,
+    cursor: Cursor = None,
+) -> MessagePage:
+    """Tracked messages matching every filter given, in pages.
+
+    Pagination is by keyset: rows that exist when the listing starts are returned exactly once
+    whatever is inserted or removed meanwhile (with ``order=due``, as long as their due time
+    does not change).
+    """
+    flt = EntryFilter(
+        topic=topic,
+        partition=partition,
+        states=tuple(State(s.value) for s in state or ()),
+        group=group,
+        due_before_ms=to_millis(due_before) if due_before is not None else None,
+        due_after_ms=to_millis(due_after) if due_after is not None else None,
+        min_attempt=min_attempt,
+    )
+    sort = EntryOrder(order)
+    query = fingerprint(
+        {"f": [topic, partition, sorted(s.value for s in state or ()), group], "o": order}
+        | {"d": [flt.due_before_ms, flt.due_after_ms, min_attempt]}
+    )
+    after = _check_position(decode_cursor(cursor, query), sort) if cursor else None
+    views = await context.admin.list_entries(flt, order=sort, after=after, limit=limit + 1)
+    more = len(views) > limit
+    views = views[:limit]
+    next_cursor = None
+    if more and views:
+        last = views[-1].entry
+        key: list[Any] = list(last.key)
+        next_cursor = encode_cursor(
+            [last.due_at_ms, *key] if sort is EntryOrder.DUE else key, query
+        )
+    now_ms = context.now_ms()
+    return MessagePage(
+        items=[message_summary(v, now_ms) for v in views], next_cursor=next_cursor, limit=limit
+    )
+
+
+async def _preview(
+    context: ApiContext, view: EntryView | None, dead: list[dict[str, Any]], cap: int
+) -> tuple[PayloadPreview | None, str | None]:
+    """The current copy's payload (or the store's copy), else the latest DLQ record's."""
+    if view is not None:
+        e = view.entry
+        if view.payload_stored:
+            stored = await context.admin.stored_payload(e.key)
+            if stored is not None:
+                record = OriginalRecord(
+                    stored.key, stored.value, stored.headers, stored.timestamp_ms
+                )
+                where = position(e.copy_topic, e.copy_partition, e.copy_offset)
+                return payload_preview(where, record, cap, source="store"), None
+        target = MessageId(e.copy_topic, e.copy_partition, e.copy_offset)
+    elif dead:
+        row = dead[-1]
+        target = MessageId(row["dlq_topic"], row["dlq_partition"], row["dlq_offset"])
+    else:
+        return None, "no record to show"
+    try:
+        found = await context.originals.fetch([target])
+    except OriginalsUnavailable as exc:
+        return None, f"Kafka unavailable: {exc}"
+    result = found.get(target)
+    if isinstance(result, OriginalRecord):
+        return payload_preview(position(*target), result, cap), None
+    if isinstance(result, Missing):
+        return None, f"record {target} is gone: {result.reason}"
+    return None, f"record {target} could not be read"
+
+
+async def _markers_partition(context: ApiContext, key: EntryKey, view: EntryView | None) -> int:
+    """The markers partition of a message: the entry's, or computed like a writer does."""
+    if view is not None:
+        return view.entry.markers_partition
+    topic = context.settings.markers_topic
+    total = (await context.scanner.partition_counts([topic])).get(topic)
+    if not total:
+        raise OriginalsUnavailable(f"the markers topic {topic!r} does not exist")
+    return markers_partition(key[1], key[2], total)
+
+
+@router.get(
+    "/{message_id:path}",
+    response_model=MessageDetail,
+    summary="One message: state, attempts, history, payload preview",
+    responses=errors(*READ_ERRORS, 404),
+)
+async def get_message(
+    message_id: MessageIdPath,
+    context: Context,
+    _: Reader,
+    markers: Annotated[
+        bool, Query(description="Search the markers topic for this message's markers.")
+    ] = True,
+    preview_bytes: Annotated[
+        int | None,
+        Query(ge=0, le=1_048_576, description="Payload preview cap (default: the setting)."),
+    ] = None,
+) -> MessageDetail:
+    """Everything known about one message, tracked or not anymore.
+
+    ``status`` is the tracked state, or ``dead_lettered`` / ``acked`` (through this API) for a
+    message the tracker no longer holds. The marker history is searched in the last
+    ``api_marker_history_scan`` records of the message's markers partition.
+    """
+    key = parse_message_id(message_id)
+    view = await context.admin.get_entry(key)
+    actions = await context.admin.actions_for(key)
+    dead = await context.admin.dead_letters_for(key)
+    acked_at = [
+        a.created_ms
+        for a in actions
+        if a.action is StoreAction.ACK and a.outcome is Outcome.APPLIED
+    ]
+    if view is None and not dead and not acked_at:
+        raise ApiError(404, f"no message {format_message_id(key)} is tracked or dead-lettered")
+    if view is not None:
+        status = MessageStatus(view.entry.state.value)
+    elif acked_at and (not dead or max(acked_at) >= dead[-1]["dead_lettered_ms"]):
+        status = MessageStatus.ACKED
+    else:
+        status = MessageStatus.DEAD_LETTERED
+    history = None
+    history_error = None
+    settings = context.settings
+    if markers and settings.api_marker_history_scan > 0:
+        try:
+            partition = await _markers_partition(context, key, view)
+            history = await marker_history(
+                context.scanner,
+                settings.markers_topic,
+                partition,
+                key,
+                settings.api_marker_history_scan,
+            )
+        except OriginalsUnavailable as exc:
+            history_error = f"marker history unavailable: {exc}"
+    cap = settings.api_payload_preview_bytes if preview_bytes is None else preview_bytes
+    payload, payload_error = await _preview(context, view, dead, cap)
+    return MessageDetail(
+        id=format_message_id(key),
+        group=key[0],
+        origin=position(key[1], key[2], key[3]),
+        status=status,
+        entry=message_summary(view, context.now_ms()) if view is not None else None,
+        actions=[action_view(a) for a in actions],
+        dead_letters=[dead_letter_view(row) for row in dead],
+        markers=history,
+        markers_error=history_error,
+        payload=payload,
+        payload_error=payload_error,
+    )
+
+
+async def _act(
+    *,
+    context: ApiContext,
+    principal: Principal,
+    message_id: str,
+    action: StoreAction,
+    body: ActionBody | None,
+    idempotency_key: str | None,
+    extend_ms: int | None = None,
+) -> ActionResponse:
+    key = parse_message_id(message_id)
+    request = ActionRequest(
+        key=key,
+        action=action,
+        actor=principal.name,
+        reason=body.reason if body is not None else "",
+        extend_ms=extend_ms,
+        idempotency_key=idempotency_key,
+    )
+    try:
+        record = await context.admin.apply_action(request, context.now_ms())
+    except IdempotencyConflict as exc:
+        raise ApiError(409, str(exc), error="idempotency_conflict") from None
+    if not record.replayed:
+        context.metrics.api_actions.labels(action.value, record.outcome.value).inc()
+    if record.outcome is Outcome.NOT_FOUND:
+        raise ApiError(404, f"message {format_message_id(key)}: {record.detail}")
+    if record.outcome is Outcome.CONFLICT:
+        raise ApiError(
+            409,
+            f"cannot {action.value.replace('_', '-')} {format_message_id(key)}: {record.detail}",
+        )
+    if record.outcome is Outcome.APPLIED and record.due_at_ms is not None and not record.replayed:
+        context.wake_redelivery(record.due_at_ms)
+    view = await context.admin.get_entry(key)
+    return ActionResponse(
+        action=action_view(record),
+        message=message_summary(view, context.now_ms()) if view is not None else None,
+        replayed=record.replayed,
+    )
+
+
+ACTION_ERRORS = errors(*WRITE_ERRORS, 404, 409)
+OptionalBody = Annotated[ActionBody | None, Body()]
+
+
+@router.post(
+    "/{message_id:path}/redeliver",
+    response_model=ActionResponse,
+    summary="Redeliver now",
+    responses=ACTION_ERRORS,
+)
+async def redeliver(
+    message_id: MessageIdPath,
+    context: Context,
+    principal: Admin,
+    idempotency_key: IdempotencyKey = None,
+    body: OptionalBody = None,
+) -> ActionResponse:
+    """Make an in-flight or delayed message due now: the tracker republishes it at once (as
+    the next attempt, or to the DLQ if that was its last). 409 for a rejected or lost one.
+    Repeating it on a message that is already due changes nothing (``unchanged``)."""
+    return await _act(
+        context=context,
+        principal=principal,
+        message_id=message_id,
+        action=StoreAction.REDELIVER,
+        body=body,
+        idempotency_key=idempotency_key,
+    )
+
+
+@router.post(
+    "/{message_id:path}/ack",
+    response_model=ActionResponse,
+    summary="Acknowledge (cancel)",
+    responses=ACTION_ERRORS,
+)
+async def ack(
+    message_id: MessageIdPath,
+    context: Context,
+    principal: Admin,
+    idempotency_key: IdempotencyKey = None,
+    body: OptionalBody = None,
+) -> ActionResponse:
+    """Stop tracking the message, as if its consumer had acknowledged it: it will not be
+    redelivered or dead-lettered. Acking it again answers 200 with ``unchanged``."""
+    return await _act(
+        context=context,
+        principal=principal,
+        message_id=message_id,
+        action=StoreAction.ACK,
+        body=body,
+        idempotency_key=idempotency_key,
+    )
+
+
+@router.post(
+    "/{message_id:path}/extend",
+    response_model=ActionResponse,
+    summary="Extend the processing lease",
+    responses=ACTION_ERRORS,
+)
+async def extend(
+    message_id: MessageIdPath,
+    context: Context,
+    principal: Admin,
+    body: Annotated[ExtendBody, Body()],
+    idempotency_key: IdempotencyKey = None,
+) -> ActionResponse:
+    """Set an in-flight message's deadline to now + ``by_ms``. 409 for other states."""
+    return await _act(
+        context=context,
+        principal=principal,
+        message_id=message_id,
+        action=StoreAction.EXTEND,
+        body=body,
+        idempotency_key=idempotency_key,
+        extend_ms=body.by_ms,
+    )
+
+
+@router.post(
+    "/{message_id:path}/dead-letter",
+    response_model=ActionResponse,
+    summary="Dead-letter now",
+    responses=ACTION_ERRORS,
+)
+async def dead_letter(
+    message_id: MessageIdPath,
+    context: Context,
+    principal: Admin,
+    idempotency_key: IdempotencyKey = None,
+    body: OptionalBody = None,
+) -> ActionResponse:
+    """Send the message to its DLQ now, with the reason ``dead-lettered by <who>: <why>``.
+    409 for a lost message; ``unchanged`` if it is already being dead-lettered."""
+    return await _act(
+        context=context,
+        principal=principal,
+        message_id=message_id,
+        action=StoreAction.DEAD_LETTER,
+        body=body,
+        idempotency_key=idempotency_key,
+    )
