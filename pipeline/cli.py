@@ -1,0 +1,349 @@
+"""``python -m pipeline {ledger,audit,report,redrive}``: the pipeline's command line.
+
+Every command starts its own SparkSession (:func:`pipeline.session.build_session`):
+``local[*]`` by default, ``--master URL`` for a cluster, or whatever ``spark-submit`` set up
+(``spark-submit pipeline/__main__.py ledger ...``). Results are printed as JSON on stdout;
+logs go to stderr. Exit codes: 0 done, 1 the audit found broken chains, 2 bad usage or a job
+that could not run.
+
+Times are ISO 8601 with a time zone (``2026-01-31T12:00:00Z``) or ``now``; durations are
+``250ms``, ``30s``, ``5m``, ``2h``, ``1d``, ISO 8601 (``PT5M``) or plain seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from pipeline import __version__
+
+_UNITS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_ISO_DURATION = re.compile(
+    r"P(?:(?P<d>\d+(?:\.\d+)?)D)?(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?"
+    r"(?:(?P<s>\d+(?:\.\d+)?)S)?)?"
+)
+
+
+def duration_ms(text: str) -> int:
+    """Milliseconds of ``250ms`` / ``30s`` / ``5m`` / ``2h`` / ``1d`` / ``PT5M`` / ``90``."""
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?", value)
+    if match:
+        return round(float(match.group(1)) * _UNITS[match.group(2) or "s"])
+    iso = _ISO_DURATION.fullmatch(value.upper())
+    if iso and any(iso.groupdict().values()):
+        parts = {k: float(v) for k, v in iso.groupdict().items() if v}
+        unit = {"d": "d", "h": "h", "m": "m", "s": "s"}
+        return round(sum(v * _UNITS[unit[k]] for k, v in parts.items()))
+    raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 30s, 5m, PT1H)")
+
+
+def timestamp(text: str) -> datetime:
+    """``now`` or an ISO 8601 time with a time zone."""
+    if text.strip().lower() == "now":
+        return datetime.now(UTC)
+    try:
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an ISO 8601 time") from None
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no time zone: add Z or an offset (runs must be reproducible)"
+        )
+    return when
+
+
+def key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), value.strip()
+
+
+def _config(pairs: Sequence[tuple[str, str]] | None) -> dict[str, Any]:
+    from pipeline.source import option_value  # noqa: PLC0415
+
+    return {k: option_value(v) for k, v in pairs or ()}
+
+
+def _spark_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("spark")
+    group.add_argument("--master", help="Spark master URL (default local[*] or spark-submit's)")
+    group.add_argument(
+        "--conf", type=key_value, action="append", metavar="KEY=VALUE", help="Spark setting"
+    )
+    group.add_argument("--log-level", default="WARN", help="Spark log level (default WARN)")
+    group.add_argument(
+        "--ship-code",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="zip pipeline/ and tracker/ for the executors (default: on for non-local masters)",
+    )
+
+
+def _kafka_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("kafka")
+    group.add_argument(
+        "--bootstrap",
+        default=os.environ.get("KMQ_KAFKA_BOOTSTRAP_SERVERS", "localhost:9092"),
+        help="bootstrap servers (default $KMQ_KAFKA_BOOTSTRAP_SERVERS or localhost:9092)",
+    )
+    group.add_argument(
+        "--kafka-config",
+        type=key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        help="aiokafka client setting, e.g. security_protocol=SSL (repeatable)",
+    )
+    group.add_argument(
+        "--chunk", type=int, default=250_000, help="offsets per Spark partition (default 250000)"
+    )
+    group.add_argument(
+        "--source",
+        choices=["python", "spark"],
+        default="python",
+        help="python: the built-in data source; spark: Spark's kafka connector (if installed)",
+    )
+    group.add_argument(
+        "--spark-kafka-option",
+        type=key_value,
+        action="append",
+        metavar="KEY=VALUE",
+        help="option for Spark's kafka connector, e.g. kafka.security.protocol=SSL",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline",
+        description="kmq Spark pipeline: delivery ledger, audit, analytics report, bulk redrive.",
+    )
+    parser.add_argument("--version", action="version", version=f"kmq-pipeline {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ledger = commands.add_parser("ledger", help="build or extend the delivery ledger")
+    _kafka_args(ledger)
+    _spark_args(ledger)
+    ledger.add_argument("--output", required=True, help="ledger directory (Spark path)")
+    ledger.add_argument(
+        "--markers-topic", default=os.environ.get("KMQ_MARKERS_TOPIC", "kmq-markers")
+    )
+    ledger.add_argument(
+        "--dlq-topic",
+        action="append",
+        help="DLQ topic to read (repeatable; default <topic>.dlq of every topic seen)",
+    )
+    ledger.add_argument(
+        "--no-dlq",
+        action="store_true",
+        help="read no DLQ topic: a REJECT then counts as dead-lettered unconfirmed",
+    )
+    ledger.add_argument("--as-of", type=timestamp, default=None, help="judge time (default now)")
+    ledger.add_argument(
+        "--default-timeout",
+        type=duration_ms,
+        default=30_000,
+        help="lease of a START with timeout 0 (the topic policy; default 30s)",
+    )
+    ledger.add_argument(
+        "--grace", type=duration_ms, default=300_000, help="allowed lateness (default 5m)"
+    )
+    ledger.add_argument(
+        "--stuck-after",
+        type=duration_ms,
+        default=86_400_000,
+        help="overdue longer than this = lost (default 1d)",
+    )
+    ledger.add_argument(
+        "--policy-delay",
+        type=duration_ms,
+        default=3_600_000,
+        help="longest backoff a policy DELAY can mean (default 1h)",
+    )
+    ledger.add_argument("--from", dest="start", help="start bound for partitions not yet read")
+    ledger.add_argument("--to", dest="end", help="end bound (default: the end at the start)")
+    ledger.set_defaults(func=_cmd_ledger)
+
+    audit = commands.add_parser("audit", help="list broken chains; exit 1 if any")
+    _spark_args(audit)
+    audit.add_argument("--ledger", required=True, help="ledger directory")
+    audit.add_argument("--as-of", type=timestamp, default=None, help="default: the ledger's")
+    audit.add_argument("--grace", type=duration_ms, default=None, help="default: the ledger's")
+    audit.add_argument("--stuck-after", type=duration_ms, default=None)
+    audit.add_argument("--limit", type=int, default=100, help="broken messages printed")
+    audit.add_argument("--output", help="directory for audit.json and broken/ (all of them)")
+    audit.set_defaults(func=_cmd_audit)
+
+    report = commands.add_parser("report", help="analytics report (JSON + HTML)")
+    _spark_args(report)
+    report.add_argument("--ledger", required=True, help="ledger directory")
+    report.add_argument("--output", required=True, help="directory for report.json/html")
+    report.add_argument("--bucket", type=duration_ms, default=None, help="throughput bucket")
+    report.add_argument("--top", type=int, default=10, help="DLQ reasons / slowest listed")
+    report.set_defaults(func=_cmd_report)
+
+    redrive = commands.add_parser("redrive", help="republish selected dead letters once")
+    _kafka_args(redrive)
+    _spark_args(redrive)
+    redrive.add_argument("--dlq-topic", action="append", required=True, help="repeatable")
+    redrive.add_argument("--where", help="Spark SQL filter over the DLQ view (docs/pipeline.md)")
+    redrive.add_argument("--target-topic", help="default: each record's original topic")
+    redrive.add_argument("--manifest", required=True, help="manifest directory (pyarrow URI)")
+    redrive.add_argument("--rate", type=float, default=None, help="records/s for the job")
+    redrive.add_argument("--tasks", type=int, default=2, help="parallel producing tasks")
+    redrive.add_argument("--dry-run", action="store_true", help="only count")
+    redrive.add_argument("--run-id", help="default: a new one")
+    redrive.set_defaults(func=_cmd_redrive)
+    return parser
+
+
+@contextlib.contextmanager
+def _session(args: argparse.Namespace) -> Iterator[Any]:
+    """The job's SparkSession, stopped afterwards unless it was already running (the command
+    was called in-process, e.g. by ``kmq-tracker pipeline`` or a test)."""
+    from pyspark.sql import SparkSession  # noqa: PLC0415
+
+    from pipeline.session import build_session  # noqa: PLC0415
+
+    existing = SparkSession.getActiveSession()
+    spark = existing or build_session(
+        args.master,
+        app_name=f"kmq-pipeline-{args.command}",
+        conf=dict(args.conf or ()),
+        ship_code=args.ship_code,
+        log_level=args.log_level,
+    )
+    try:
+        yield spark
+    finally:
+        if existing is None:
+            spark.stop()
+
+
+def _print(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _cmd_ledger(args: argparse.Namespace) -> int:
+    from pipeline.ledger import LedgerJob, LedgerParams, run_ledger  # noqa: PLC0415
+    from pipeline.offsets import Bound  # noqa: PLC0415
+
+    params = LedgerParams(
+        as_of=args.as_of or datetime.now(UTC),
+        default_timeout_ms=args.default_timeout,
+        grace_ms=args.grace,
+        stuck_after_ms=args.stuck_after,
+        policy_delay_ms=args.policy_delay,
+        dlq_checked=not args.no_dlq,
+    )
+    end = Bound.parse(args.end) if args.end else None
+    if end is None and args.as_of is not None:
+        end = Bound.at_time(args.as_of)  # an explicit as-of reads what existed then
+    job = LedgerJob(
+        bootstrap=args.bootstrap,
+        markers_topic=args.markers_topic,
+        output=args.output,
+        params=params,
+        dlq_topics=[] if args.no_dlq else args.dlq_topic,
+        start=Bound.parse(args.start) if args.start else None,
+        end=end,
+        chunk=args.chunk,
+        client_config=_config(args.kafka_config),
+        source=args.source,
+        spark_kafka_options=dict(args.spark_kafka_option or ()),
+    )
+    with _session(args) as spark:
+        run = run_ledger(spark, job)
+    _print(run.to_json())
+    return 0
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from pipeline.audit import audit_ledger  # noqa: PLC0415
+
+    with _session(args) as spark:
+        result = audit_ledger(
+            spark,
+            args.ledger,
+            as_of=args.as_of,
+            grace_ms=args.grace,
+            stuck_after_ms=args.stuck_after,
+            limit=args.limit,
+            output=args.output,
+        )
+    _print(result.to_json())
+    if not result.ok:
+        print(
+            f"audit: {result.broken_count} of {result.messages} messages have a broken chain",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pipeline.report import build_report, write_report  # noqa: PLC0415
+
+    with _session(args) as spark:
+        bucket = max(1, args.bucket // 1000) if args.bucket else None
+        report = build_report(spark, args.ledger, bucket_seconds=bucket, top=args.top)
+    json_path, html_path = write_report(report, args.output)
+    _print({"json": str(json_path), "html": str(html_path), "totals": report["totals"]})
+    return 0
+
+
+def _cmd_redrive(args: argparse.Namespace) -> int:
+    from pipeline.redrive import RedriveJob, run_redrive  # noqa: PLC0415
+
+    job = RedriveJob(
+        bootstrap=args.bootstrap,
+        dlq_topics=args.dlq_topic,
+        manifest=args.manifest,
+        where=args.where,
+        target_topic=args.target_topic,
+        rate=args.rate,
+        tasks=args.tasks,
+        dry_run=args.dry_run,
+        client_config=_config(args.kafka_config),
+        chunk=args.chunk,
+        run_id=args.run_id,
+    )
+    with _session(args) as spark:
+        result = run_redrive(spark, job)
+    _print(result.to_json())
+    return 0
+
+
+_SPARK_MODULES = {"pyspark", "pyarrow", "pandas", "py4j"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from pipeline.ledger import LedgerError  # noqa: PLC0415
+        from pipeline.offsets import OffsetsError  # noqa: PLC0415
+        from pipeline.redrive import RedriveError  # noqa: PLC0415
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in _SPARK_MODULES:
+            raise
+        print(
+            f"pipeline {args.command}: {exc.name} is not installed; "
+            "install the Spark extra: pip install 'kmq-tracker[spark]'",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        status: int = args.func(args)
+    except (LedgerError, OffsetsError, RedriveError) as exc:
+        print(f"pipeline {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return status

@@ -1,0 +1,721 @@
+"""The delivery ledger: one row per logical message, built from the marker history.
+
+A logical message is ``(group, origin topic, origin partition, origin offset)``, the key the
+tracker itself uses. Its row says when it was first seen and first started, every attempt
+(which copy, which consumer, started, deadline, lease renewals, outcome, processing time,
+requested delay, reason), how it ended, and the dead-letter record if there is one.
+
+Final states (``docs/pipeline.md`` has the precise rules):
+
+* ``acked``: the latest attempt was acknowledged;
+* ``dead_lettered``: a DLQ record names the message (``kmq-origin`` + ``kmq-group``), or the
+  latest attempt was rejected and no DLQ topic was read to confirm it;
+* otherwise the message is open and *something* is due at ``expected_by``: the deadline of the
+  latest START/EXTEND (``timeout_ms`` 0 means the topic policy: ``default_timeout``), the due
+  time of a retry or deferred delivery (policy delays: ``policy_delay`` bound), or the reject
+  time (the DLQ record is due). At the ledger's ``as_of`` it is ``in_flight`` while
+  ``as_of < expected_by + grace``, ``stuck`` until ``expected_by + stuck_after``, then
+  ``lost``. The audit (:mod:`pipeline.audit`) re-evaluates open rows at its own time.
+
+Incremental runs. A ledger directory holds::
+
+    ledger/topic=<t>/date=<d>/      ledger rows (Parquet), each with the run that wrote it
+    history/markers/date=<d>/       every marker read (valid or not), with its run
+    history/dlq/date=<d>/           every dead-letter record read (without payload)
+    _runs/                          one JSON record per committed run: as-of, parameters,
+                                    the next offset of every partition read, counts
+
+A run reads only the offsets after the previous run's, appends them to the history, rebuilds
+the rows of the messages they touch (plus open rows, whose state moves with time) from their
+full history, and appends only rows that changed. The run is committed by its ``_runs`` record,
+written last: rows of a run that died before that are ignored by every reader, and the next
+run reads the same offsets again. The current ledger is the latest committed row per message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pyspark import StorageLevel
+from pyspark.errors import AnalysisException
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    DateType,
+    IntegerType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from pipeline.decode import spark_schema
+from pipeline.offsets import (
+    Bound,
+    OffsetRange,
+    existing_topics,
+    resolve_ranges,
+)
+from pipeline.source import DEFAULT_CHUNK, read_kafka
+from tracker.clock import to_millis
+
+#: The key of a logical message in marker / DLQ columns.
+KEY = ["group", "origin_topic", "origin_partition", "origin_offset"]
+#: The same key in the ledger's columns.
+LEDGER_KEY = ["group", "topic", "partition", "offset"]
+
+FINAL_STATES = ("acked", "dead_lettered", "in_flight", "stuck", "lost")
+OPEN_STATES = ("in_flight", "stuck", "lost")
+BROKEN_STATES = ("stuck", "lost")
+
+LEDGER_DIR = "ledger"
+MARKERS_HISTORY_DIR = "history/markers"
+DLQ_HISTORY_DIR = "history/dlq"
+RUNS_DIR = "_runs"
+
+_RUNS_SCHEMA = StructType(
+    [
+        StructField("run_seq", IntegerType()),
+        StructField("run_id", StringType()),
+        StructField("record", StringType()),  # the run's JSON (see LedgerRun.to_json)
+    ]
+)
+
+
+class LedgerError(Exception):
+    """The ledger job cannot run as asked (bad parameters, a broken ledger directory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerParams:
+    """How open messages are judged. Durations in milliseconds."""
+
+    as_of: datetime
+    default_timeout_ms: int = 30_000  #: the lease a START with timeout 0 gets (topic policy)
+    grace_ms: int = 300_000  #: tracker + consumer latency allowed after a deadline
+    stuck_after_ms: int = 86_400_000  #: past deadline + this, an open message is lost
+    policy_delay_ms: int = 3_600_000  #: upper bound of a backoff the consumer left to policy
+    dlq_checked: bool = True  #: DLQ topics were read, so a REJECT needs its DLQ record
+
+    def __post_init__(self) -> None:
+        if self.as_of.tzinfo is None or self.as_of.utcoffset() is None:
+            raise LedgerError("as_of must be timezone-aware")
+        if min(self.default_timeout_ms, self.policy_delay_ms) <= 0 or self.grace_ms < 0:
+            raise LedgerError("timeouts and delays must be positive, the grace not negative")
+        if self.stuck_after_ms < self.grace_ms:
+            raise LedgerError("stuck_after must be at least the grace")
+
+    @property
+    def as_of_ms(self) -> int:
+        return to_millis(self.as_of)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["as_of"] = self.as_of.isoformat()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LedgerParams:
+        values = dict(data)
+        values["as_of"] = datetime.fromisoformat(values["as_of"])
+        return cls(**values)
+
+
+def as_utc(value: datetime) -> datetime:
+    """A timestamp collected from Spark, as an aware UTC datetime.
+
+    PySpark hands ``TimestampType`` values back as naive datetimes in the Python process's
+    local time zone; everything the pipeline prints or writes is UTC with an offset.
+    """
+    if value.tzinfo is None:
+        return datetime.fromtimestamp(value.timestamp(), UTC)
+    return value.astimezone(UTC)
+
+
+# --------------------------------------------------------------------------------------------
+# Building rows
+
+
+def open_state(expected_ms: Column, as_of_ms: int, grace_ms: int, stuck_after_ms: int) -> Column:
+    """``in_flight`` / ``stuck`` / ``lost`` of an open message due at ``expected_ms``."""
+    as_of = F.lit(as_of_ms)
+    return (
+        F.when(as_of < expected_ms + F.lit(grace_ms), F.lit("in_flight"))
+        .when(as_of < expected_ms + F.lit(stuck_after_ms), F.lit("stuck"))
+        .otherwise(F.lit("lost"))
+    )
+
+
+def _per_attempt(markers: DataFrame, params: LedgerParams) -> DataFrame:
+    """One row per (message, attempt): its START(s), lease, first outcome, deferral."""
+    kind = F.col("kind")
+    is_start = kind == "START"
+    is_extend = kind == "EXTEND"
+    is_deferred = (kind == "DELAY") & F.col("deferred")
+    is_terminal = kind.isin("ACK", "REJECT") | ((kind == "DELAY") & ~F.col("deferred"))
+    lease = F.when(
+        is_start,
+        F.when(F.col("timeout_ms") > 0, F.col("timeout_ms")).otherwise(
+            F.lit(params.default_timeout_ms)
+        ),
+    ).when(is_extend, F.col("timeout_ms"))
+    rows = markers.where(F.col("error").isNull() & kind.isNotNull()).select(
+        *KEY,
+        "attempt",
+        "markers_partition",
+        # Markers of one message share a markers partition: its offsets are the write order.
+        F.struct("markers_partition", "markers_offset").alias("pos"),
+        F.unix_millis("timestamp").alias("ts"),
+        is_start.alias("is_start"),
+        is_extend.alias("is_extend"),
+        is_terminal.alias("is_terminal"),
+        is_deferred.alias("is_deferred"),
+        lease.alias("lease_ms"),
+        F.struct("topic", "partition", "offset").alias("record"),
+        "consumer",
+        F.struct(
+            kind.alias("kind"),
+            F.unix_millis("timestamp").alias("ts"),
+            F.nullif(F.col("reason"), F.lit("")).alias("reason"),
+            F.col("delay_ms"),
+            F.col("policy_delay"),
+        ).alias("outcome"),
+        "delay_ms",
+    )
+    c = F.col
+    grouped = rows.groupBy(*KEY, "attempt").agg(
+        F.min("markers_partition").alias("markers_partition"),
+        F.min("ts").alias("first_ms"),
+        F.max("ts").alias("last_ms"),
+        F.min(F.when(c("is_start"), c("ts"))).alias("started_ms"),
+        F.count(F.when(c("is_start"), 1)).alias("starts"),
+        F.count(F.when(c("is_extend"), 1)).alias("extends"),
+        F.max_by(c("ts") + c("lease_ms"), F.when(c("lease_ms").isNotNull(), c("pos"))).alias(
+            "deadline_ms"
+        ),
+        F.min_by(F.struct("record", "consumer"), F.when(c("is_start"), c("pos"))).alias("first"),
+        F.min_by("record", "pos").alias("any_record"),
+        F.min_by("outcome", F.when(c("is_terminal"), c("pos"))).alias("outcome"),
+        F.min_by(c("ts") + c("delay_ms"), F.when(c("is_deferred"), c("pos"))).alias(
+            "deferred_due_ms"
+        ),
+    )
+    o = c("outcome")
+    processing = F.when(o.isNotNull() & c("started_ms").isNotNull(), o["ts"] - c("started_ms"))
+    requested = F.when((o["kind"] == "DELAY") & ~o["policy_delay"], o["delay_ms"])
+    record = F.coalesce(c("first.record"), c("any_record"))
+    info = F.struct(
+        c("attempt"),
+        record["topic"].alias("topic"),
+        record["partition"].alias("partition"),
+        record["offset"].alias("offset"),
+        F.nullif(c("first.consumer"), F.lit("")).alias("consumer"),
+        F.timestamp_millis("started_ms").alias("started_at"),
+        F.timestamp_millis("deadline_ms").alias("deadline_at"),
+        c("starts").cast("int").alias("starts"),
+        c("extends").cast("int").alias("extends"),
+        F.when(o["kind"] == "ACK", F.lit("acked"))
+        .when(o["kind"] == "DELAY", F.lit("retried"))
+        .when(o["kind"] == "REJECT", F.lit("rejected"))
+        .otherwise(F.lit("open"))
+        .alias("outcome"),
+        F.timestamp_millis(o["ts"]).alias("outcome_at"),
+        processing.alias("processing_ms"),
+        requested.alias("delay_ms"),
+        F.coalesce((o["kind"] == "DELAY") & o["policy_delay"], F.lit(False)).alias("policy_delay"),
+        F.when(o["kind"].isin("DELAY", "REJECT"), o["reason"]).alias("reason"),
+        F.timestamp_millis("deferred_due_ms").alias("deferred_until"),
+    )
+    return grouped.select(
+        *KEY,
+        "attempt",
+        "markers_partition",
+        "first_ms",
+        "last_ms",
+        "started_ms",
+        "starts",
+        "deadline_ms",
+        "deferred_due_ms",
+        o.alias("outcome"),
+        processing.alias("processing_ms"),
+        requested.alias("requested_delay_ms"),
+        info.alias("info"),
+    )
+
+
+def _dead_letters(dlq: DataFrame) -> DataFrame:
+    """One row per message with DLQ records: the first record, and how many there are."""
+    at = F.coalesce(F.unix_millis("dead_lettered_at"), F.unix_millis("timestamp"))
+    return (
+        dlq.where(F.col("error").isNull())
+        .select(
+            *KEY,
+            F.struct(
+                at.alias("at_ms"),
+                "dlq_topic",
+                "dlq_partition",
+                "dlq_offset",
+                F.col("reason"),
+                F.col("attempts"),
+            ).alias("dlq"),
+        )
+        .groupBy(*KEY)
+        .agg(F.count("*").cast("int").alias("dlq_records"), F.min("dlq").alias("dlq"))
+    )
+
+
+def build_ledger(markers: DataFrame, dlq: DataFrame | None, params: LedgerParams) -> DataFrame:
+    """The ledger rows of every message in ``markers`` (decoded markers, MARKERS_DDL).
+
+    ``dlq`` (DLQ_DDL) confirms dead letters; records of messages with no marker here are
+    ignored (see :func:`orphan_dead_letters`). Pure DataFrame code: no Python UDF runs.
+    """
+    c = F.col
+    attempts = _per_attempt(markers, params)
+    latest = F.struct(
+        c("outcome.kind").alias("kind"),
+        c("outcome.ts").alias("outcome_ms"),
+        c("outcome.delay_ms").alias("delay_ms"),
+        c("outcome.policy_delay").alias("policy_delay"),
+        c("deadline_ms"),
+        c("deferred_due_ms"),
+        c("started_ms"),
+        c("processing_ms"),
+    )
+    per_key = attempts.groupBy(*KEY).agg(
+        F.min("markers_partition").alias("markers_partition"),
+        F.min("first_ms").alias("first_seen_ms"),
+        F.max("last_ms").alias("last_marker_ms"),
+        F.min("started_ms").alias("first_start_ms"),
+        F.max("attempt").alias("attempts"),
+        F.sum("starts").cast("int").alias("deliveries"),
+        F.sort_array(F.collect_list("info")).alias("history"),
+        F.max_by(latest, "attempt").alias("latest"),
+        F.sum("processing_ms").alias("total_processing_ms"),
+        F.sum("requested_delay_ms").alias("total_delay_ms"),
+        F.max_by(c("outcome.reason"), F.when(c("outcome.reason").isNotNull(), c("attempt"))).alias(
+            "last_reason"
+        ),
+    )
+    if dlq is not None:
+        per_key = per_key.join(_dead_letters(dlq), KEY, "left")
+    else:
+        per_key = per_key.withColumn("dlq_records", F.lit(0)).withColumn(
+            "dlq",
+            F.lit(None).cast(
+                "struct<at_ms:bigint,dlq_topic:string,dlq_partition:int,"
+                "dlq_offset:bigint,reason:string,attempts:int>"
+            ),
+        )
+
+    lk = c("latest.kind")
+    waiting_for_delivery = (
+        lk.isNull() & c("latest.started_ms").isNull() & c("latest.deferred_due_ms").isNotNull()
+    )
+    delay_for = F.when(c("latest.policy_delay"), F.lit(params.policy_delay_ms)).otherwise(
+        c("latest.delay_ms")
+    )
+    expected_ms = (
+        F.when(lk == "REJECT", c("latest.outcome_ms"))
+        .when(lk == "DELAY", c("latest.outcome_ms") + delay_for)
+        .when(waiting_for_delivery, c("latest.deferred_due_ms"))
+        .when(
+            lk.isNull(),
+            F.coalesce(c("latest.deadline_ms"), c("latest.deferred_due_ms"), c("last_marker_ms")),
+        )
+    )
+    has_dlq = c("dlq").isNotNull()
+    state = (
+        F.when(has_dlq, F.lit("dead_lettered"))
+        .when(lk == "ACK", F.lit("acked"))
+        .when((lk == "REJECT") & F.lit(not params.dlq_checked), F.lit("dead_lettered"))
+        .otherwise(open_state(expected_ms, params.as_of_ms, params.grace_ms, params.stuck_after_ms))
+    )
+    is_open = (
+        ~has_dlq
+        & (lk.isNull() | lk.isin("DELAY", "REJECT"))
+        & ~((lk == "REJECT") & F.lit(not params.dlq_checked))
+    )
+    pending = F.when(
+        is_open,
+        F.when(lk == "REJECT", F.lit("dead_letter"))
+        .when((lk == "DELAY") | waiting_for_delivery, F.lit("redelivery"))
+        .otherwise(F.lit("processing")),
+    )
+    settled_ms = (
+        F.when(has_dlq, c("dlq.at_ms"))
+        .when(lk == "ACK", c("latest.outcome_ms"))
+        .when((lk == "REJECT") & F.lit(not params.dlq_checked), c("latest.outcome_ms"))
+    )
+    began_ms = F.coalesce(c("first_start_ms"), c("first_seen_ms"))
+    history = F.transform(
+        "history",
+        lambda x: x.withField(
+            "outcome",
+            F.when(
+                (x["outcome"] == "open") & (x["attempt"] < c("attempts")), "timed_out"
+            ).otherwise(x["outcome"]),
+        ),
+    )
+    return per_key.select(
+        c("group"),
+        c("origin_topic").alias("topic"),
+        c("origin_partition").alias("partition"),
+        c("origin_offset").alias("offset"),
+        c("markers_partition"),
+        F.timestamp_millis("first_seen_ms").alias("first_seen"),
+        F.timestamp_millis("first_start_ms").alias("first_start"),
+        F.timestamp_millis(F.greatest(c("last_marker_ms"), c("dlq.at_ms"))).alias("last_event"),
+        c("attempts"),
+        c("deliveries"),
+        state.alias("final_state"),
+        pending.alias("pending"),
+        F.timestamp_millis(F.when(is_open, expected_ms)).alias("expected_by"),
+        F.timestamp_millis(settled_ms).alias("settled_at"),
+        (settled_ms - began_ms).alias("end_to_end_ms"),
+        c("total_processing_ms"),
+        c("latest.processing_ms").alias("final_processing_ms"),
+        c("total_delay_ms"),
+        c("last_reason"),
+        c("dlq.dlq_topic").alias("dlq_topic"),
+        c("dlq.dlq_partition").alias("dlq_partition"),
+        c("dlq.dlq_offset").alias("dlq_offset"),
+        c("dlq.reason").alias("dlq_reason"),
+        c("dlq.attempts").alias("dlq_attempts"),
+        F.timestamp_millis("dlq.at_ms").alias("dead_lettered_at"),
+        F.coalesce(c("dlq_records"), F.lit(0)).alias("dlq_records"),
+        F.coalesce(c("last_marker_ms") > c("dlq.at_ms"), F.lit(False)).alias("markers_after_dlq"),
+        history.alias("history"),
+        F.to_date(F.timestamp_millis("first_seen_ms")).alias("date"),
+    )
+
+
+def ledger_schema(spark: SparkSession) -> StructType:
+    """The schema of ledger rows as :func:`build_ledger` makes them (without run columns)."""
+    markers = spark.createDataFrame([], spark_schema("markers"))
+    dlq = spark.createDataFrame([], spark_schema("dlq"))
+    return build_ledger(markers, dlq, LedgerParams(as_of=datetime.now(UTC))).schema
+
+
+def stored_schema(spark: SparkSession) -> StructType:
+    """Ledger rows as stored: the built columns plus the run that wrote them."""
+    schema = ledger_schema(spark)
+    for name, data_type in (
+        ("run_seq", IntegerType()),
+        ("run_id", StringType()),
+        ("as_of", TimestampType()),
+    ):
+        schema = schema.add(name, data_type)
+    return schema
+
+
+def fingerprint(ledger: DataFrame, columns: Sequence[str]) -> Column:
+    """A hash of a row's content (``columns``, in that order; run bookkeeping excluded).
+
+    Two versions of a message's row with equal fingerprints say the same thing, so an
+    incremental run does not write the second one.
+    """
+    return F.xxhash64(*[ledger[c] for c in columns])
+
+
+def orphan_dead_letters(dlq: DataFrame, markers: DataFrame) -> DataFrame:
+    """DLQ records naming a message no marker mentions (outside the range read, or not ours)."""
+    keys = markers.where(F.col("error").isNull()).select(*KEY).distinct()
+    return dlq.where(F.col("error").isNull()).join(keys, KEY, "left_anti")
+
+
+# --------------------------------------------------------------------------------------------
+# The incremental job
+
+
+@dataclass(slots=True)
+class LedgerJob:
+    """One ledger run: where to read, where to write, how to judge open messages."""
+
+    bootstrap: str
+    markers_topic: str
+    output: str
+    params: LedgerParams
+    dlq_topics: Sequence[str] | None = None  #: None: ``<topic>.dlq`` of every topic seen
+    start: Bound | None = None  #: where a partition without a checkpoint starts
+    end: Bound | None = None  #: where this run stops (default: the end at its start)
+    chunk: int = DEFAULT_CHUNK
+    client_config: Mapping[str, Any] = field(default_factory=dict)
+    source: str = "python"
+    spark_kafka_options: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LedgerRun:
+    """What a run did; its JSON is the run's commit record in ``_runs``."""
+
+    run_seq: int
+    run_id: str
+    params: LedgerParams
+    offsets: dict[str, dict[str, int]]  #: topic -> partition -> next offset to read
+    topics: list[str]  #: origin topics seen so far
+    dlq_topics: list[str]
+    markers_read: int = 0
+    invalid_markers: int = 0
+    dlq_records_read: int = 0
+    orphan_dlq_records: int = 0
+    rows_written: int = 0
+    states_written: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    committed_at: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["params"] = self.params.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LedgerRun:
+        values = dict(data)
+        values["params"] = LedgerParams.from_json(values["params"])
+        return cls(**values)
+
+
+def _path(root: str, sub: str) -> str:
+    return f"{root.rstrip('/')}/{sub}"
+
+
+def _read_parquet(
+    spark: SparkSession, path: str, schema: StructType | None = None
+) -> DataFrame | None:
+    """Parquet at ``path``, or None if nothing was written there yet.
+
+    With ``schema``, partition columns get their types from it rather than being guessed from
+    directory names (a topic called ``2024`` would otherwise come back as a number).
+    """
+    reader = spark.read.schema(schema) if schema is not None else spark.read
+    try:
+        return reader.parquet(path)
+    except AnalysisException as exc:
+        if "PATH_NOT_FOUND" in str(exc) or "UNABLE_TO_INFER_SCHEMA" in str(exc):
+            return None
+        raise
+
+
+def committed_runs(spark: SparkSession, root: str) -> list[LedgerRun]:
+    """The committed runs of the ledger at ``root``, oldest first."""
+    try:
+        rows = spark.read.schema(_RUNS_SCHEMA).json(_path(root, RUNS_DIR)).collect()
+    except AnalysisException as exc:
+        if "PATH_NOT_FOUND" in str(exc):
+            return []
+        raise
+    runs = [LedgerRun.from_json(json.loads(row["record"])) for row in rows]
+    return sorted(runs, key=lambda r: r.run_seq)
+
+
+def _committed(df: DataFrame, runs: Sequence[LedgerRun], extra: int | None = None) -> DataFrame:
+    seqs = [r.run_seq for r in runs] + ([extra] if extra is not None else [])
+    return df.where(F.col("run_seq").isin(seqs))
+
+
+def load_ledger(
+    spark: SparkSession, root: str, runs: Sequence[LedgerRun] | None = None
+) -> DataFrame | None:
+    """The current ledger: the latest committed row of every message (None: no ledger yet)."""
+    runs = committed_runs(spark, root) if runs is None else runs
+    if not runs:
+        return None
+    rows = _read_parquet(spark, _path(root, LEDGER_DIR), stored_schema(spark))
+    if rows is None:
+        return None
+    newest = Window.partitionBy(*LEDGER_KEY).orderBy(F.col("run_seq").desc())
+    return (
+        _committed(rows, runs)
+        .withColumn("_rank", F.row_number().over(newest))
+        .where(F.col("_rank") == 1)
+        .drop("_rank")
+    )
+
+
+def _offsets(
+    ranges: Sequence[OffsetRange], previous: Mapping[str, Mapping[str, int]]
+) -> dict[str, dict[str, int]]:
+    out = {topic: dict(parts) for topic, parts in previous.items()}
+    for r in ranges:
+        out.setdefault(r.topic, {})[str(r.partition)] = r.end
+    return out
+
+
+def _resume(offsets: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, int], int]:
+    return {(t, int(p)): o for t, parts in offsets.items() for p, o in parts.items()}
+
+
+def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
+    """Run the ledger job once (see the module docstring); returns the committed run."""
+    started = time.monotonic()
+    runs = committed_runs(spark, job.output)
+    last = runs[-1] if runs else None
+    seq = (last.run_seq + 1) if last else 1
+    run_id = f"{seq:06d}-{uuid.uuid4().hex[:8]}"
+    previous_offsets = last.offsets if last else {}
+    resume = _resume(previous_offsets)
+
+    def read(ranges: Sequence[OffsetRange], fmt: str) -> DataFrame:
+        return read_kafka(
+            spark,
+            bootstrap=job.bootstrap,
+            ranges=ranges,
+            fmt=fmt,
+            chunk=job.chunk,
+            client_config=job.client_config,
+            source=job.source,
+            spark_kafka_options=job.spark_kafka_options,
+        )
+
+    marker_ranges = resolve_ranges(
+        job.bootstrap,
+        [job.markers_topic],
+        start=job.start,
+        end=job.end,
+        resume=resume,
+        client_config=job.client_config,
+    )
+    new_markers = read(marker_ranges, "markers").persist(StorageLevel.MEMORY_AND_DISK)
+    # One pass for the counts and the topics seen (each Spark action has a fixed cost).
+    stats = new_markers.agg(
+        F.count("*").alias("n"),
+        F.count("error").alias("invalid"),
+        F.collect_set("origin_topic").alias("topics"),
+    ).first()
+    markers_read = stats["n"] if stats else 0
+    invalid = stats["invalid"] if stats else 0
+    seen = set(stats["topics"]) if stats else set()
+    topics = sorted(seen.union(last.topics if last else ()))
+    if job.dlq_topics is not None:
+        dlq_topics = list(job.dlq_topics)
+    else:
+        dlq_topics = existing_topics(job.bootstrap, [f"{t}.dlq" for t in topics], job.client_config)
+    dlq_ranges = resolve_ranges(
+        job.bootstrap,
+        dlq_topics,
+        start=job.start,
+        end=job.end,
+        resume=resume,
+        client_config=job.client_config,
+        missing_ok=True,
+    )
+    new_dlq = read(dlq_ranges, "dlq").drop(*_PAYLOAD).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        run = LedgerRun(seq, run_id, job.params, {}, topics, dlq_topics)
+        run.markers_read, run.invalid_markers = markers_read, invalid
+        _write_run(spark, job, runs, run, new_markers=new_markers, new_dlq=new_dlq)
+    finally:
+        new_markers.unpersist()
+        new_dlq.unpersist()
+    run.offsets = _offsets([*marker_ranges, *dlq_ranges], previous_offsets)
+    run.seconds = round(time.monotonic() - started, 3)
+    run.committed_at = datetime.now(UTC).isoformat()
+    record = spark.createDataFrame(
+        [(run.run_seq, run.run_id, json.dumps(run.to_json()))], _RUNS_SCHEMA
+    )
+    record.coalesce(1).write.mode("append").json(_path(job.output, RUNS_DIR))
+    return run
+
+
+def _history_schema(fmt: str, *, payload: bool = True) -> StructType:
+    fields = [f for f in spark_schema(fmt).fields if payload or f.name not in _PAYLOAD]
+    schema = StructType(fields)
+    for name, data_type in (
+        ("run_seq", IntegerType()),
+        ("run_id", StringType()),
+        ("date", DateType()),
+    ):
+        schema = schema.add(name, data_type)
+    return schema
+
+
+_PAYLOAD = {"key", "value", "headers"}
+
+
+def _write_run(
+    spark: SparkSession,
+    job: LedgerJob,
+    runs: list[LedgerRun],
+    run: LedgerRun,
+    *,
+    new_markers: DataFrame,
+    new_dlq: DataFrame,
+) -> None:
+    """Append the new history and the changed rows; fills in ``run``'s counts."""
+    params = job.params
+    seq = run.run_seq
+    tag = [F.lit(seq).alias("run_seq"), F.lit(run.run_id).alias("run_id")]
+    dlq_count = run.dlq_records_read = new_dlq.count()
+    if run.markers_read:
+        new_markers.select("*", *tag, F.to_date("timestamp").alias("date")).write.mode(
+            "append"
+        ).partitionBy("date").parquet(_path(job.output, MARKERS_HISTORY_DIR))
+    if dlq_count:
+        new_dlq.select("*", *tag, F.to_date("timestamp").alias("date")).write.mode(
+            "append"
+        ).partitionBy("date").parquet(_path(job.output, DLQ_HISTORY_DIR))
+
+    history = _read_parquet(
+        spark, _path(job.output, MARKERS_HISTORY_DIR), _history_schema("markers")
+    )
+    dlq_history = _read_parquet(
+        spark, _path(job.output, DLQ_HISTORY_DIR), _history_schema("dlq", payload=False)
+    )
+    if history is None:
+        return
+    history = _committed(history, runs, seq).drop("run_seq", "run_id", "date")
+    if dlq_history is not None:
+        dlq_history = _committed(dlq_history, runs, seq).drop("run_seq", "run_id", "date")
+        run.orphan_dlq_records = orphan_dead_letters(new_dlq, history).count()
+
+    previous = load_ledger(spark, job.output, runs)
+    if previous is not None:
+        # Only messages with new markers or DLQ records, and open ones (time moves their
+        # state), can change: rebuild those from their full history.
+        touched = (
+            new_markers.where(F.col("error").isNull())
+            .select(*KEY)
+            .unionByName(new_dlq.where(F.col("error").isNull()).select(*KEY))
+            .unionByName(
+                previous.where(F.col("final_state").isin("in_flight", "stuck")).select(
+                    F.col("group"),
+                    F.col("topic").alias("origin_topic"),
+                    F.col("partition").alias("origin_partition"),
+                    F.col("offset").alias("origin_offset"),
+                )
+            )
+            .distinct()
+        )
+        history = history.join(touched, KEY, "left_semi")
+        if dlq_history is not None:
+            dlq_history = dlq_history.join(touched, KEY, "left_semi")
+    dlq_input = dlq_history if params.dlq_checked else None
+    rows = build_ledger(history, dlq_input, params)
+    content = rows.columns
+    rows = rows.withColumn("_fp", fingerprint(rows, content))
+    if previous is not None:
+        known = previous.select(*LEDGER_KEY, fingerprint(previous, content).alias("_fp"))
+        rows = rows.join(known, [*LEDGER_KEY, "_fp"], "left_anti")
+    rows = (
+        rows.drop("_fp")
+        .select("*", *tag, F.lit(params.as_of).cast("timestamp").alias("as_of"))
+        .persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    try:
+        run.states_written = {
+            r["final_state"]: r["count"] for r in rows.groupBy("final_state").count().collect()
+        }
+        run.rows_written = sum(run.states_written.values())
+        if run.rows_written:
+            rows.write.mode("append").partitionBy("topic", "date").parquet(
+                _path(job.output, LEDGER_DIR)
+            )
+    finally:
+        rows.unpersist()

@@ -1,0 +1,105 @@
+"""The SparkSession every job runs in: local by default, any cluster when asked.
+
+* No ``--master`` and not launched by ``spark-submit``: ``local[*]``, bound to the loopback
+  interface, with the Python workers on this interpreter (``PYSPARK_PYTHON``), so
+  ``python -m pipeline ...`` in a virtualenv just works.
+* ``--master`` given, or ``spark-submit`` (which sets ``spark.master`` itself): that cluster.
+  The executors then need this project importable: ``ship_code=True`` zips ``pipeline`` and
+  ``tracker`` and adds them with ``addPyFile`` (the C marker decoder does not load from a zip;
+  the pure-Python decoder applies the same rules). aiokafka and pyarrow must be installed on
+  the executors.
+
+Settings every job relies on: the session time zone is UTC (ledger dates and report buckets
+are UTC days and hours), and map keys built from record headers keep the last duplicate (like
+the tracker's own header parsing).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+DEFAULT_CONF: dict[str, str] = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.mapKeyDedupPolicy": "LAST_WIN",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.ui.showConsoleProgress": "false",
+}
+
+#: Extra settings for local runs: small shuffles (the default 200 partitions is for clusters).
+LOCAL_CONF: dict[str, str] = {
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.sql.shuffle.partitions": "8",
+}
+
+
+def is_local(master: str | None) -> bool:
+    return master is None or master.startswith("local")
+
+
+def launched_by_spark_submit() -> bool:
+    """``spark-submit`` starts the Python driver with a gateway to an existing JVM."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def build_session(
+    master: str | None = None,
+    *,
+    app_name: str = "kmq-pipeline",
+    conf: Mapping[str, str] | None = None,
+    ship_code: bool | None = None,
+    log_level: str = "WARN",
+) -> SparkSession:
+    """Create (or get) the session for a job; see the module docstring."""
+    from pyspark.sql import SparkSession  # noqa: PLC0415 - pyspark is optional
+
+    from pipeline.source import register  # noqa: PLC0415
+
+    submitted = launched_by_spark_submit()
+    if master is None and not submitted:
+        master = "local[*]"
+    local = is_local(master) and not submitted
+    if local:
+        # Python workers must run the interpreter (and virtualenv) that has this project.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = SparkSession.builder.appName(app_name)
+    if master is not None:
+        builder = builder.master(master)
+    settings = {**DEFAULT_CONF, **(LOCAL_CONF if local else {}), **(conf or {})}
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel(log_level)
+    if ship_code if ship_code is not None else not local:
+        for archive in code_archives():
+            spark.sparkContext.addPyFile(str(archive))
+    register(spark)
+    return spark
+
+
+def code_archives(directory: Path | None = None) -> list[Path]:
+    """Zip the ``pipeline`` and ``tracker`` packages (sources only) for the executors."""
+    import pipeline  # noqa: PLC0415
+    import tracker  # noqa: PLC0415
+
+    out_dir = directory or Path(tempfile.mkdtemp(prefix="kmq-pipeline-code-"))
+    archive = out_dir / "kmq-pipeline-code.zip"
+    with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
+        for package in (pipeline, tracker):
+            if package.__file__ is None:
+                raise RuntimeError(f"{package.__name__} is not a regular package")
+            root = Path(package.__file__).parent
+            for path in sorted(root.rglob("*")):
+                if path.suffix in {".py", ".typed"} and "__pycache__" not in path.parts:
+                    zf.write(path, Path(root.name) / path.relative_to(root))
+    return [archive]
