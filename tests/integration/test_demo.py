@@ -1,0 +1,146 @@
+"""``kmq-tracker demo``: the narrated local demo runs, shows every feature and stops cleanly.
+
+The demo starts its own tansu broker, so these tests need neither the session broker nor a
+database. With ``KAFKA_BOOTSTRAP_SERVERS`` set (the suite runs against an external cluster)
+the variable is passed through and the demo uses that cluster instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def demo_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KMQ_")}
+    env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+    external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip()
+    if external:
+        env["KAFKA_BOOTSTRAP_SERVERS"] = external
+    if "KMQ_TANSU_BIN" in os.environ:
+        env["KMQ_TANSU_BIN"] = os.environ["KMQ_TANSU_BIN"]
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Demo:
+    """The demo as a subprocess; its output (stdout and stderr) collected line by line."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = args
+        self.lines: list[str] = []
+        self.process: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Demo:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tracker.cli",
+            "demo",
+            *self.args,
+            env=demo_env(),
+            cwd=str(ROOT),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        assert self.process is not None
+        assert self.process.stdout is not None
+        async for raw in self.process.stdout:
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    async def wait(self, within: float) -> int:
+        """Wait for the exit (and the end of its output); returns the exit code."""
+        assert self.process is not None
+        assert self._reader is not None
+        try:
+            code = await asyncio.wait_for(self.process.wait(), within)
+            await asyncio.wait_for(self._reader, 10)
+        except TimeoutError:
+            raise AssertionError(
+                f"the demo did not exit within {within:.0f}s; output:\n{self.output}"
+            ) from None
+        return code
+
+    async def wait_for(self, pattern: str, count: int, within: float) -> None:
+        assert self.process is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while len(self.matching(pattern)) < count:
+            assert self.process.returncode is None, f"the demo exited early:\n{self.output}"
+            assert loop.time() < deadline, f"no {count} lines /{pattern}/ in:\n{self.output}"
+            await asyncio.sleep(0.1)
+
+    def matching(self, pattern: str) -> list[str]:
+        regex = re.compile(pattern)
+        return [line for line in self.lines if regex.search(line)]
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._reader, 10)
+
+
+def assert_clean(demo: Demo) -> None:
+    assert "Traceback" not in demo.output, demo.output
+    assert demo.lines, "the demo printed nothing"
+    assert demo.lines[-1].startswith("demo stopped cleanly"), demo.output
+
+
+async def test_demo_shows_every_feature_and_stops_after_its_duration() -> None:
+    async with Demo("--duration", "25") as demo:
+        code = await demo.wait(within=90)
+    print(f"\n[demo --duration 25]\n{demo.output}")
+    assert code == 0, demo.output
+    assert_clean(demo)
+    assert len(demo.matching(r"producer\s+-> job-\d+ \(")) >= 10, "produced jobs"
+    # A worker "crashed" holding a job; the tracker redelivered it after the lease.
+    assert demo.matching(r"worker crashes holding it")
+    assert demo.matching(r"tracker\s+<> redelivered \S+: attempt 2 ->")
+    # A retry with backoff, and its next attempt.
+    assert demo.matching(r"failed, retry with backoff")
+    assert demo.matching(r"v job-\d+ attempt 3 done")
+    # Dead letters: a poison message (rejected) and a hopeless one (max attempts).
+    assert demo.matching(r"tracker\s+XX dead_lettered \S+: rejected by the consumer")
+    assert demo.matching(r"tracker\s+XX dead_lettered \S+: max attempts reached")
+    # A delayed job handed over when due (republished without counting an attempt).
+    assert demo.matching(r"tracker\s+<> redelivered \S+: delayed message due")
+    assert demo.matching(r"v job-\d+ attempt 1 done \(was delayed\)")
+    summary = demo.lines[-1]
+    for word in ("produced", "acked", "redelivered", "dead_lettered"):
+        assert word in summary, summary
+
+
+async def test_demo_stops_cleanly_on_ctrl_c() -> None:
+    async with Demo() as demo:
+        await demo.wait_for(r"^\s*[\d.]+s\s+tracker\s", count=2, within=60)
+        assert demo.process is not None
+        demo.process.send_signal(signal.SIGINT)
+        code = await demo.wait(within=30)
+    print(f"\n[demo, Ctrl-C]\n{demo.output}")
+    assert code == 0, demo.output
+    assert_clean(demo)
+    assert demo.matching(r"demo\s+stopping \.\.\.")

@@ -1,0 +1,178 @@
+"""The Alembic migrations against the models, on fresh SQLite and Postgres databases.
+
+Each test starts from an empty database of its own (a temp SQLite file, or a Postgres database
+created for the test), never the session's shared Postgres database: ``upgrade``/``downgrade``
+must see a database that no other test touches.
+"""
+
+from __future__ import annotations
+
+import pprint
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.schema import DefaultClause
+from sqlalchemy.sql.elements import TextClause
+from support.databases import PostgresTestDatabase, PostgresUnavailableError
+from support.databases import sqlite_url as make_sqlite_url
+
+from tracker.store.dialects import create_engine
+from tracker.store.errors import SchemaOutdated
+from tracker.store.migrate import (
+    alembic_config,
+    check_schema,
+    current_revision,
+    head_revision,
+    upgrade,
+)
+from tracker.store.models import Base
+
+pytestmark = [pytest.mark.integration]
+
+TABLES = {"tracked_messages", "markers_partitions", "dead_letters"}
+
+
+@pytest.fixture(params=["sqlite", "postgres"], ids=["sqlite", "postgres"])
+def fresh_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """An async URL of an empty database that only this test uses."""
+    if request.param == "sqlite":
+        yield make_sqlite_url(tmp_path / "fresh.sqlite3")
+        return
+    database = PostgresTestDatabase()
+    problem: str | None = None
+    try:
+        url = database.create()
+    except PostgresUnavailableError as exc:
+        problem = str(exc)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+    try:
+        yield url
+    finally:
+        database.drop()
+
+
+@pytest.fixture
+async def engine(fresh_database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(fresh_database_url)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
+
+
+def _readable(value: Any) -> Any:
+    """Diff items with server defaults shown as the SQL they stand for."""
+    if isinstance(value, DefaultClause):
+        arg = value.arg
+        return f"DefaultClause({arg.text if isinstance(arg, TextClause) else arg!r})"
+    if isinstance(value, (list, tuple)):
+        return type(value)(_readable(item) for item in value)
+    return value
+
+
+def format_diff(diff: list[Any]) -> str:
+    return pprint.pformat(_readable(diff), width=100)
+
+
+def _diff(connection: Connection) -> list[Any]:
+    context = MigrationContext.configure(
+        connection, opts={"compare_type": True, "compare_server_default": True}
+    )
+    return list(compare_metadata(context, Base.metadata))
+
+
+async def schema_diff(engine: AsyncEngine) -> list[Any]:
+    async with engine.connect() as conn:
+        return await conn.run_sync(_diff)
+
+
+def _snapshot(connection: Connection) -> dict[str, Any]:
+    inspector = inspect(connection)
+    return {
+        table: {
+            "columns": [
+                (c["name"], str(c["type"]), c["nullable"], c["default"])
+                for c in inspector.get_columns(table)
+            ],
+            "primary_key": inspector.get_pk_constraint(table)["constrained_columns"],
+            "indexes": sorted(
+                (i["name"] or "", tuple(i["column_names"]), bool(i["unique"]))
+                for i in inspector.get_indexes(table)
+            ),
+        }
+        for table in sorted(inspector.get_table_names())
+    }
+
+
+async def schema_snapshot(engine: AsyncEngine) -> dict[str, Any]:
+    """The reflected schema: tables, columns (type, nullability, default), keys, indexes."""
+    async with engine.connect() as conn:
+        return await conn.run_sync(_snapshot)
+
+
+async def table_names(engine: AsyncEngine) -> set[str]:
+    async with engine.connect() as conn:
+        return set(await conn.run_sync(lambda c: inspect(c).get_table_names()))
+
+
+def _downgrade(connection: Connection, revision: str) -> None:
+    config = alembic_config()
+    config.attributes["connection"] = connection
+    command.downgrade(config, revision)
+
+
+async def downgrade(engine: AsyncEngine, revision: str) -> None:
+    async with engine.begin() as conn:
+        await conn.run_sync(_downgrade, revision)
+
+
+async def test_upgrade_head_matches_the_models(engine: AsyncEngine) -> None:
+    assert await table_names(engine) == set()
+    await upgrade(engine)
+    assert await table_names(engine) >= TABLES
+    diff = await schema_diff(engine)
+    assert diff == [], "migrations differ from the models:\n" + format_diff(diff)
+
+
+async def test_check_schema_fails_on_an_empty_database_and_passes_after_upgrade(
+    engine: AsyncEngine,
+) -> None:
+    assert await current_revision(engine) is None
+    with pytest.raises(SchemaOutdated, match="kmq-tracker migrate"):
+        await check_schema(engine)
+    await upgrade(engine)
+    await check_schema(engine)
+    assert await current_revision(engine) == head_revision()
+
+
+async def test_upgrade_is_idempotent(engine: AsyncEngine) -> None:
+    await upgrade(engine)
+    await upgrade(engine)
+    assert await current_revision(engine) == head_revision()
+    await check_schema(engine)
+
+
+async def test_downgrade_to_base_then_upgrade_again(engine: AsyncEngine) -> None:
+    await upgrade(engine)
+    first = await schema_snapshot(engine)
+    assert set(first) >= TABLES
+
+    await downgrade(engine, "base")
+    assert await current_revision(engine) is None
+    assert not (TABLES & await table_names(engine))
+    with pytest.raises(SchemaOutdated):
+        await check_schema(engine)
+
+    await upgrade(engine)
+    assert await current_revision(engine) == head_revision()
+    await check_schema(engine)
+    assert await schema_snapshot(engine) == first

@@ -1,0 +1,253 @@
+"""A queue workload for the crash-safety and replica tests, and the accounting of its outcome.
+
+* :func:`produce_over_time` sends ``count`` messages in small batches spread over time.
+* :class:`Worker` is one :class:`~tracker.client.KmqConsumer` in the background; a predicate
+  decides, per received message, whether it is acked or dropped (the worker "crashes" holding
+  it: no marker at all, so only the tracker can bring it back). Every reception is recorded.
+* :class:`Ledger` joins what the queue topic holds (originals and the tracker's copies, from a
+  :class:`~engine_support.TopicWatcher`) with what the worker received and acked, and answers
+  "was anything lost / redelivered after its ack / duplicated".
+* :func:`high_watermarks` reads a topic to its end and returns each partition's high watermark
+  (from fetch responses: tansu answers ListOffsets wrongly after batched produces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from tracker import headers as h
+from tracker.client import KmqMessage, KmqProducer
+from tracker.ids import MessageId
+
+from .engine_support import Seen, consumer
+
+
+async def produce_over_time(
+    bootstrap: str,
+    topic: str,
+    count: int,
+    *,
+    batch: int,
+    interval: float,
+    sent: dict[MessageId, int] | None = None,
+    first: int = 0,
+) -> dict[MessageId, int]:
+    """Send ``m<first>`` .. ``m<first+count-1>`` (``batch`` at a time, ``interval`` s apart).
+
+    Returns (and fills ``sent`` as it goes) ``{position: index}`` of every acknowledged send.
+    """
+    out: dict[MessageId, int] = {} if sent is None else sent
+    end = first + count
+    async with KmqProducer(bootstrap, linger_ms=5) as producer:
+        for start in range(first, end, batch):
+            indexes = range(start, min(end, start + batch))
+            futures = [
+                await producer.send_nowait(topic, f"m{i}".encode(), key=f"k{i}".encode())
+                for i in indexes
+            ]
+            for i, future in zip(indexes, futures, strict=True):
+                metadata = await future
+                out[MessageId(topic, metadata.partition, metadata.offset)] = i
+            if start + batch < end:
+                await asyncio.sleep(interval)
+    return out
+
+
+def message_index(message: KmqMessage | Seen) -> int:
+    """The ``i`` of a workload payload ``m<i>``."""
+    value = message.value or b""
+    assert value.startswith(b"m"), f"not a workload message: {value!r}"
+    return int(value[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class Reception:
+    """One message handed to the worker."""
+
+    id: MessageId
+    origin: MessageId
+    attempt: int
+    index: int
+    acked: bool
+    at: float  #: time.time() when it was handed over
+
+
+class Worker:
+    """A KmqConsumer in the background; ``should_ack(message)`` says ack (True) or drop."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        group: str,
+        markers: str,
+        should_ack: Callable[[KmqMessage], bool],
+        *,
+        processing_timeout: timedelta | None = None,
+    ) -> None:
+        self._args = (bootstrap, topic, group, markers)
+        self._should_ack = should_ack
+        self._timeout = processing_timeout
+        self.received: list[Reception] = []
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._joined = asyncio.Event()
+
+    async def _run(self) -> None:
+        async with consumer(*self._args, processing_timeout=self._timeout) as c:
+            self._joined.set()
+            while not self._stop.is_set():
+                for message in await c.getmany(timedelta(milliseconds=200)):
+                    ack = self._should_ack(message)
+                    self.received.append(
+                        Reception(
+                            message.id,
+                            message.origin,
+                            message.attempt,
+                            message_index(message),
+                            ack,
+                            time.time(),
+                        )
+                    )
+                    if ack:
+                        await message.ack()
+            await c.flush()
+
+    async def __aenter__(self) -> Worker:
+        self._task = asyncio.create_task(self._run(), name="workload-worker")
+        return self
+
+    async def wait_joined(self, within: float = 30.0) -> None:
+        assert self._task is not None
+        done = asyncio.ensure_future(self._joined.wait())
+        await asyncio.wait({done, self._task}, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            done.cancel()
+            if self._task.done():
+                self._task.result()  # raises the worker's error
+            raise AssertionError("the worker did not start within the deadline")
+
+    def check_alive(self) -> None:
+        """Raise the worker's exception if it died."""
+        if self._task is not None and self._task.done():
+            self._task.result()
+            raise AssertionError("the worker stopped on its own")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await self._task
+
+    def acked_attempts(self) -> dict[MessageId, set[int]]:
+        out: dict[MessageId, set[int]] = defaultdict(set)
+        for r in self.received:
+            if r.acked:
+                out[r.origin].add(r.attempt)
+        return out
+
+
+def copy_identity(record: Seen) -> tuple[MessageId, int] | None:
+    """``(origin, attempt)`` of a tracker copy, None for an original record."""
+    origin = record.header(h.ORIGIN)
+    if origin is None:
+        return None
+    attempt = int(record.header(h.ATTEMPT) or b"1")
+    return MessageId.parse(origin.decode()), attempt
+
+
+@dataclass
+class Ledger:
+    """The fate of every produced message, from the queue topic and the worker's receptions."""
+
+    sent: dict[MessageId, int]  #: original position -> index
+    originals: list[MessageId]  #: originals found in the topic (records without kmq-origin)
+    copies: Counter[tuple[MessageId, int]]  #: (origin, attempt) -> copies in the topic
+    acked: dict[MessageId, set[int]]  #: origin -> attempts the worker acked
+    copy_records: list[Seen] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, sent: dict[MessageId, int], records: Iterable[Seen], worker: Worker) -> Ledger:
+        originals: list[MessageId] = []
+        copies: Counter[tuple[MessageId, int]] = Counter()
+        copy_records: list[Seen] = []
+        for record in records:
+            identity = copy_identity(record)
+            if identity is None:
+                originals.append(MessageId(record.topic, record.partition, record.offset))
+            else:
+                copies[identity] += 1
+                copy_records.append(record)
+        return cls(dict(sent), originals, copies, worker.acked_attempts(), copy_records)
+
+    def never_acked(self) -> list[MessageId]:
+        """(a) Lost: produced, but no delivery of it (first or copy) was ever acked."""
+        return sorted(origin for origin in self.sent if not self.acked.get(origin))
+
+    def acked_then_redelivered(self) -> list[tuple[MessageId, int]]:
+        """(b) ``(origin, n)`` where attempt n was acked yet a copy with attempt n+1 exists."""
+        bad: list[tuple[MessageId, int]] = []
+        for origin, attempts in self.acked.items():
+            bad += [(origin, n) for n in sorted(attempts) if self.copies[(origin, n + 1)] > 0]
+        return bad
+
+    def duplicates(self) -> dict[tuple[MessageId, int], int]:
+        """(c) ``(origin, attempt)`` republished more than once -> the extra copies."""
+        return {key: n - 1 for key, n in self.copies.items() if n > 1}
+
+    def strangers(self) -> list[tuple[MessageId, int]]:
+        """Copies whose origin is not a produced message (should never happen)."""
+        return [key for key in self.copies if key[0] not in self.sent]
+
+    def summary(self) -> str:
+        attempts = Counter(attempt for _, attempt in self.copies.elements())
+        first_acked = sum(1 for origin in self.sent if 1 in self.acked.get(origin, ()))
+        return (
+            f"{len(self.sent)} produced, {len(self.originals)} originals in the topic, "
+            f"{first_acked} acked on first delivery, {sum(self.copies.values())} copies "
+            f"(by attempt {dict(sorted(attempts.items()))}), "
+            f"{sum(self.duplicates().values())} duplicate copies, "
+            f"{len(self.never_acked())} never acked, "
+            f"{len(self.acked_then_redelivered())} redelivered after an ack"
+        )
+
+
+async def high_watermarks(bootstrap: str, topic: str, within: float = 30.0) -> dict[int, int]:
+    """Each partition's high watermark, by reading ``topic`` to its end (fetch responses)."""
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await c.start()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        partitions: set[int] | None = None
+        while not partitions:
+            assert loop.time() < deadline, f"no metadata for {topic}"
+            await c.topics()
+            partitions = c.partitions_for_topic(topic)
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        c.assign(tps)
+        await c.seek_to_beginning(*tps)
+        while True:
+            await c.getmany(timeout_ms=200, max_records=100_000)
+            marks: list[Any] = [c.highwater(tp) for tp in tps]
+            positions = [await c.position(tp) for tp in tps]
+            if None not in marks and positions == marks:
+                return {tp.partition: int(m) for tp, m in zip(tps, marks, strict=True)}
+            assert loop.time() < deadline, f"could not read {topic} to its end"
+    finally:
+        await c.stop()

@@ -1,0 +1,331 @@
+"""End to end: a real workload through a real tracker, then every pipeline job on its history.
+
+Workers (KmqConsumer) ack, retry-then-ack, reject and keep failing messages while an
+in-process Tracker (SQLite) redelivers and dead-letters them, so every copy, marker and DLQ
+record is the real thing. After the tracker stopped, START markers are written for three
+messages nobody will ever settle: the "lost on purpose" ones. The ledger must have exactly
+the expected rows, the audit must flag exactly those three, the report must count them, and
+a bulk redrive must republish exactly the selected dead letters, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from integration.engine_support import consumer, tracker_settings
+from pyspark.sql import SparkSession
+from support.broker import create_topics, run_sync, unique_topic
+from support.databases import sqlite_url
+
+from pipeline.audit import audit_ledger
+from pipeline.cli import main
+from pipeline.ledger import LedgerJob, LedgerParams, load_ledger, run_ledger
+from pipeline.redrive import REDRIVE_RUN, REDRIVE_SOURCE, RedriveJob, read_manifest, run_redrive
+from pipeline.report import build_report, write_report
+from tracker.client import KmqMessage, KmqProducer
+from tracker.client.markers import KafkaMarkerSink
+from tracker.engine.process import Tracker
+from tracker.ids import MessageId
+from tracker.protocol import Marker
+
+from .workload import high_watermarks, read_topic
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PLAN = {"ack": 6, "retry": 3, "reject": 2, "fail": 2}
+GHOSTS = 3
+
+
+@dataclass
+class World:
+    bootstrap: str
+    topic: str
+    markers: str
+    parked: str  #: where the lost-on-purpose messages sit
+    group: str
+    ledger: str
+    as_of: datetime
+    tmp: Path
+
+
+async def _behave(message: KmqMessage, acks: list[str]) -> None:
+    kind = (message.value or b"").decode().split(":")[0]
+    if kind == "ack" or (kind == "retry" and message.attempt > 1):
+        await message.ack()
+        acks.append((message.value or b"").decode())
+    elif kind == "retry":
+        await message.retry(timedelta(milliseconds=500), reason="busy")
+    elif kind == "reject":
+        await message.reject(f"poison {message.value.decode() if message.value else ''}")
+    else:
+        await message.retry(timedelta(milliseconds=300), reason="still failing")
+
+
+async def _workload(world: World, database_url: str) -> None:
+    bootstrap, topic = world.bootstrap, world.topic
+    await create_topics(bootstrap, {topic: 2, world.markers: 4, f"{topic}.dlq": 1, world.parked: 1})
+    settings = tracker_settings(
+        bootstrap,
+        database_url,
+        world.markers,
+        default_policy={"processing_timeout": 5, "max_attempts": 3},
+    )
+    acks: list[str] = []
+    async with Tracker(settings) as tracker:
+        async with KmqProducer(bootstrap) as producer:
+            for kind, count in PLAN.items():
+                for i in range(count):
+                    await producer.send(topic, f"{kind}:{i}".encode(), key=f"{kind}-{i}".encode())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 90
+        async with consumer(
+            bootstrap, topic, world.group, world.markers, processing_timeout=timedelta(seconds=5)
+        ) as worker:
+            while True:
+                for message in await worker.getmany(timedelta(milliseconds=200)):
+                    await _behave(message, acks)
+                dead = await tracker.store.list_dead_letters(topic=topic)
+                if len(acks) == PLAN["ack"] + PLAN["retry"] and len(dead) == 4:
+                    break
+                assert loop.time() < deadline, f"workload incomplete: {len(acks)} acks, {dead}"
+            await worker.flush()
+    # The tracker is gone: these STARTs will never be acted on.
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        sink = KafkaMarkerSink(producer, world.markers)
+        for i in range(GHOSTS):
+            meta = await producer.send_and_wait(world.parked, f"ghost:{i}".encode())
+            ghost = MessageId(world.parked, meta.partition, meta.offset)
+            await sink.send_all([Marker.start(world.group, ghost, timeout_ms=1000)])
+    finally:
+        await producer.stop()
+
+
+@pytest.fixture(scope="module")
+def world(
+    kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory, spark: SparkSession
+) -> World:
+    tmp = tmp_path_factory.mktemp("e2e")
+    topic = unique_topic("orders")
+    w = World(
+        bootstrap=kafka_bootstrap,
+        topic=topic,
+        markers=unique_topic("markers"),
+        parked=unique_topic("parked"),
+        group=unique_topic("workers"),
+        ledger=str(tmp / "ledger"),
+        as_of=datetime.now(UTC),
+        tmp=tmp,
+    )
+    run_sync(lambda: _workload(w, sqlite_url(tmp / "tracker.sqlite3")))
+    w.as_of = datetime.now(UTC) + timedelta(minutes=10)
+    params = LedgerParams(as_of=w.as_of, default_timeout_ms=5000, grace_ms=60_000)
+    run_ledger(spark, LedgerJob(kafka_bootstrap, w.markers, w.ledger, params))
+    return w
+
+
+def test_ledger_and_audit_account_for_every_message(world: World, spark: SparkSession) -> None:
+    ledger = load_ledger(spark, world.ledger)
+    assert ledger is not None
+    rows: dict[str, dict[str, Any]] = {}
+    for record in ledger.collect():
+        assert record["group"] == world.group
+        key = f"{record['topic']}/{record['partition']}/{record['offset']}"
+        rows[key] = record.asDict(recursive=True)
+    assert len(rows) == sum(PLAN.values()) + GHOSTS
+
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for row in rows.values():
+        kind = "ghost" if row["topic"] == world.parked else None
+        if kind is None:
+            # The first attempt's record is the original; its value says what the worker did.
+            kind = _kind_of(world, row)
+        by_kind.setdefault(kind, []).append(row)
+    assert {k: len(v) for k, v in by_kind.items()} == {**PLAN, "ghost": GHOSTS}
+
+    def outcomes(row: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(a["outcome"] for a in row["history"])
+
+    for row in by_kind["ack"]:
+        assert (row["final_state"], outcomes(row)) == ("acked", ("acked",))
+    for row in by_kind["retry"]:
+        assert (row["final_state"], outcomes(row)) == ("acked", ("retried", "acked"))
+        assert row["total_delay_ms"] == 500
+        assert row["history"][1]["topic"] == world.topic
+        assert row["history"][1]["offset"] != row["offset"], "attempt 2 is a redelivered copy"
+    for row in by_kind["reject"]:
+        assert (row["final_state"], outcomes(row)) == ("dead_lettered", ("rejected",))
+        assert row["dlq_reason"].startswith("rejected by the consumer: poison reject:")
+        assert row["dlq_topic"] == f"{world.topic}.dlq"
+    for row in by_kind["fail"]:
+        assert row["final_state"] == "dead_lettered"
+        assert outcomes(row) == ("retried", "retried", "retried")
+        assert row["dlq_reason"] == "max attempts reached (3 of 3; last: retried)"
+        assert row["dlq_attempts"] == 3
+    for row in by_kind["ghost"]:
+        assert (row["final_state"], row["pending"]) == ("stuck", "processing")
+
+    audit = audit_ledger(spark, world.ledger)
+    ghosts = {f"{r['topic']}/{r['partition']}/{r['offset']}" for r in by_kind["ghost"]}
+    assert {f"{b['topic']}/{b['partition']}/{b['offset']}" for b in audit.broken} == ghosts
+    assert audit.broken_count == GHOSTS
+    assert audit.states == {"acked": 9, "dead_lettered": 4, "stuck": GHOSTS}
+    lost = audit_ledger(
+        spark, world.ledger, as_of=world.as_of + timedelta(hours=2), stuck_after_ms=3_600_000
+    )
+    assert {b["state"] for b in lost.broken} == {"lost"}
+    assert lost.broken_count == GHOSTS
+
+
+def _kind_of(world: World, row: dict[str, Any]) -> str:
+    values = _originals(world)
+    return values[(row["partition"], row["offset"])].split(":")[0]
+
+
+_ORIGINALS: dict[str, dict[tuple[int, int], str]] = {}
+
+
+def _originals(world: World) -> dict[tuple[int, int], str]:
+    if world.topic not in _ORIGINALS:
+        records = run_sync(lambda: read_topic(world.bootstrap, world.topic))
+        _ORIGINALS[world.topic] = {
+            (r.partition, r.offset): (r.value or b"").decode() for r in records
+        }
+    return _ORIGINALS[world.topic]
+
+
+def test_report_counts_the_workload(world: World, spark: SparkSession) -> None:
+    report = build_report(spark, world.ledger)
+    groups = {g["topic"]: g for g in report["groups"]}
+    queue = groups[world.topic]
+    assert queue["messages"] == 13
+    assert queue["states"] == {
+        "acked": 9,
+        "dead_lettered": 4,
+        "in_flight": 0,
+        "stuck": 0,
+        "lost": 0,
+    }
+    assert queue["attempts_histogram"] == {"1": 8, "2": 3, "3": 2}
+    assert queue["retry_rate"] == round(5 / 13, 6)
+    assert queue["dlq_rate"] == round(4 / 13, 6)
+    assert queue["latency_ms"]["processing"]["count"] == 9
+    assert sum(r["count"] for r in queue["dlq_reasons"]) == 4
+    assert groups[world.parked]["states"]["stuck"] == GHOSTS
+    assert report["totals"]["messages"] == 13 + GHOSTS
+    json_path, html_path = write_report(report, world.tmp / "report")
+    assert json_path.stat().st_size > 0
+    assert world.topic in html_path.read_text()
+
+
+def test_bulk_redrive_republishes_the_selection_exactly_once(
+    world: World, spark: SparkSession
+) -> None:
+    dlq = f"{world.topic}.dlq"
+    target = unique_topic("redriven")
+    run_sync(lambda: create_topics(world.bootstrap, {target: 2}))
+    manifest = str(world.tmp / "manifest")
+    job = RedriveJob(
+        bootstrap=world.bootstrap,
+        dlq_topics=[dlq],
+        manifest=manifest,
+        where="reason LIKE 'rejected by the consumer%' AND header['trace'] IS NULL",
+        target_topic=target,
+        rate=50.0,
+    )
+    dry = run_redrive(spark, replace(job, dry_run=True))
+    assert (dry.selected, dry.to_produce, dry.produced, dry.per_target) == (2, 2, 0, {target: 2})
+
+    first = run_redrive(spark, job)
+    assert (first.produced, first.already_redriven, first.per_target) == (2, 0, {target: 2})
+    again = run_redrive(spark, job)
+    assert (again.selected, again.already_redriven, again.produced) == (2, 2, 0)
+
+    copies = run_sync(lambda: read_topic(world.bootstrap, target))
+    dead = {
+        f"{dlq}/{r.partition}/{r.offset}": r
+        for r in run_sync(lambda: read_topic(world.bootstrap, dlq))
+    }
+    assert len(copies) == 2, "republished once, not twice"
+    for copy in copies:
+        headers = dict(copy.headers)
+        source = dead[headers[REDRIVE_SOURCE].decode()]
+        assert (copy.key, copy.value) == (source.key, source.value)
+        assert (copy.value or b"").startswith(b"reject:")
+        assert headers[REDRIVE_RUN].decode() == first.run_id
+        assert not any(k.startswith("kmq-dlq-") for k in headers)
+    entries = read_manifest(manifest).to_pylist()
+    assert sorted((e["dlq_offset"], e["target_topic"]) for e in entries) == sorted(
+        (int(k.rsplit("/", 1)[1]), target)
+        for k, r in dead.items()
+        if (r.value or b"").startswith(b"reject:")
+    )
+
+    # Without a target: back to the original topic, to the end of its partitions.
+    before = run_sync(lambda: high_watermarks(world.bootstrap, world.topic))
+    home = run_redrive(
+        spark,
+        RedriveJob(
+            bootstrap=world.bootstrap,
+            dlq_topics=[dlq],
+            manifest=manifest,
+            where="attempts = 3",
+            rate=20.0,
+        ),
+    )
+    assert (home.produced, home.per_target) == (2, {world.topic: 2})
+    back = run_sync(lambda: read_topic(world.bootstrap, world.topic, start=before))
+    assert sorted((r.value or b"").decode() for r in back) == ["fail:0", "fail:1"]
+
+
+def test_command_line_jobs_and_exit_codes(
+    world: World, spark: SparkSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m pipeline``: called in-process it reuses the running session."""
+    out = world.tmp / "cli"
+    ledger = str(out / "ledger")
+    as_of = world.as_of.isoformat()
+    common = ["--bootstrap", world.bootstrap, "--markers-topic", world.markers]
+    assert main(["ledger", *common, "--output", ledger, "--as-of", as_of, "--grace", "1m"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert run["rows_written"] == sum(PLAN.values()) + GHOSTS
+    assert run["dlq_topics"] == [f"{world.topic}.dlq"]
+
+    assert main(["audit", "--ledger", ledger, "--output", str(out / "audit")]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["broken_count"] == GHOSTS
+    assert "3 of 16 messages have a broken chain" in captured.err
+    earlier = (world.as_of - timedelta(minutes=10)).isoformat()
+    assert main(["audit", "--ledger", ledger, "--as-of", earlier]) == 0, "in flight back then"
+    capsys.readouterr()
+
+    assert main(["report", "--ledger", ledger, "--output", str(out / "report")]) == 0
+    assert json.loads(capsys.readouterr().out)["totals"]["messages"] == 16
+    assert (out / "report" / "report.html").is_file()
+
+    assert main(["audit", "--ledger", str(out / "nothing")]) == 2
+    assert "no committed ledger" in capsys.readouterr().err
+    assert spark.range(1).count() == 1, "the shared session is still running"
+
+
+def test_module_entry_point_runs_without_spark() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    for command in ("ledger", "audit", "report", "redrive"):
+        assert command in done.stdout
