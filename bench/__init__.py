@@ -1,0 +1,1 @@
+"""Benchmarks with committed results (see docs/benchmarks.md)."""

@@ -1,0 +1,337 @@
+"""Scenario 1: what the kmq client costs a consumer, next to plain aiokafka on the same topic.
+
+* **Throughput**: one topic (8 partitions) pre-filled with ``messages`` records of each size is
+  read from the beginning by plain aiokafka (``getmany`` + commit per batch) and by
+  ``KmqConsumer`` (START markers acknowledged, offsets committed, then every message acked),
+  alternately, ``repeat`` times each; the best run of each is compared. Both fetch batches of
+  the same size (``KmqConsumer``'s default ``max_batch``). The group join is excluded (the
+  clock starts when the first batch arrives; that batch is not counted).
+* **Latency**: a producer in another process writes ``rate`` messages/s carrying their send time;
+  the consumer, already joined, records ``hand-over time - send time`` for each message. Plain
+  aiokafka hands a batch over when ``getmany`` returns; ``KmqConsumer`` after its STARTs are
+  acknowledged and the offsets committed. The *added* latency is the difference of the
+  percentiles of the two runs. Both use ``fetch_max_wait_ms=10`` (see ``LOW_LATENCY``).
+
+The tracker does not run here: it is a separate process (or pod) in a deployment and is
+measured by scenario 2; on this 2-core machine it would only steal CPU from the consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import struct
+import time
+from datetime import timedelta
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from tracker.client import KmqConsumer
+from tracker.errors import MarkerWriteFailed
+
+from .common import (
+    FAST_GROUP,
+    Figure,
+    Infra,
+    ScenarioResult,
+    Stopwatch,
+    create_topic,
+    delete_topics,
+    summary_ms,
+    unique,
+)
+
+PARTITIONS = 8
+BATCH = 500  #: KmqConsumer's default max_batch; plain aiokafka gets the same
+_TS = struct.Struct(">d")
+#: Latency runs, both consumers: a fetch is answered after at most 10 ms without data (the
+#: default 500 ms ``fetch_max_wait_ms`` made hand-over times depend on where in the broker's
+#: wait a record arrived, swamping the client's own cost).
+LOW_LATENCY: dict[str, Any] = {**FAST_GROUP, "fetch_max_wait_ms": 10}
+
+
+def payload(size: int, sent: float = 0.0) -> bytes:
+    return _TS.pack(sent) + b"x" * max(0, size - _TS.size)
+
+
+async def fill_topic(bootstrap: str, topic: str, count: int, size: int) -> float:
+    """Produce ``count`` records of ``size`` bytes round-robin over the partitions (batch API);
+    returns the produce rate (records/s)."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    watch = Stopwatch()
+    try:
+        value = payload(size)
+        per_batch = max(1, min(2000, (512 * 1024) // (size + 64)))
+        futures = []
+        sent = 0
+        partition = 0
+        while sent < count:
+            batch = producer.create_batch()
+            n = 0
+            while n < per_batch and sent + n < count:
+                if batch.append(key=None, value=value, timestamp=None) is None:
+                    break
+                n += 1
+            batch.close()
+            futures.append(await producer.send_batch(batch, topic, partition=partition))
+            partition = (partition + 1) % PARTITIONS
+            sent += n
+            if len(futures) >= 64:
+                await asyncio.gather(*futures)
+                futures.clear()
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+    return count / watch.seconds
+
+
+# -- throughput -------------------------------------------------------------------------------
+
+
+async def plain_throughput(bootstrap: str, topic: str, total: int) -> dict[str, float]:
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=unique("plain"),
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **FAST_GROUP,
+    )
+    await consumer.start()
+    try:
+        seen = counted = 0
+        t0 = cpu0 = 0.0
+        while seen < total:
+            fetched = await consumer.getmany(timeout_ms=500, max_records=BATCH)
+            n = sum(len(v) for v in fetched.values())
+            if not n:
+                continue
+            if seen == 0:
+                t0, cpu0 = time.perf_counter(), time.process_time()
+            else:
+                counted += n
+            seen += n
+            await consumer.commit()
+        elapsed = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+    finally:
+        await consumer.stop()
+    return {"rate": counted / elapsed, "seconds": elapsed, "cpu_us_per_msg": cpu / counted * 1e6}
+
+
+async def kmq_throughput(bootstrap: str, topic: str, markers: str, total: int) -> dict[str, float]:
+    consumer = KmqConsumer(
+        topic,
+        group_id=unique("kmq"),
+        bootstrap_servers=bootstrap,
+        markers_topic=markers,
+        processing_timeout=timedelta(seconds=30),
+        max_batch=BATCH,
+        consumer_config=dict(FAST_GROUP),
+    )
+    await consumer.start()
+    try:
+        seen = counted = 0
+        t0 = cpu0 = 0.0
+        while seen < total:
+            try:
+                messages = await consumer.getmany()
+            except MarkerWriteFailed as exc:  # the batch is read again; an app would go on
+                print(f"  (kmq: {exc}; batch re-read)", flush=True)
+                continue
+            if not messages:
+                continue
+            for message in messages:
+                await message.ack()
+            if seen == 0:
+                t0, cpu0 = time.perf_counter(), time.process_time()
+            else:
+                counted += len(messages)
+            seen += len(messages)
+        await consumer.flush()  # every ACK acknowledged by the broker: the work is done
+        elapsed = time.perf_counter() - t0
+        cpu = time.process_time() - cpu0
+    finally:
+        await consumer.stop()
+    return {"rate": counted / elapsed, "seconds": elapsed, "cpu_us_per_msg": cpu / counted * 1e6}
+
+
+# -- latency ----------------------------------------------------------------------------------
+
+
+def _rate_producer(bootstrap: str, topic: str, rate: int, seconds: float, size: int) -> None:
+    """Runs in a child process: ``rate`` records/s for ``seconds``, each carrying its send time."""
+
+    async def main() -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        await producer.start()
+        try:
+            tick = 0.005
+            per_tick = rate * tick
+            owed = 0.0
+            started = time.monotonic()
+            next_tick = started
+            futures = []
+            while time.monotonic() - started < seconds:
+                owed += per_tick
+                while owed >= 1:
+                    futures.append(await producer.send(topic, payload(size, time.time())))
+                    owed -= 1
+                next_tick += tick
+                await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+            await asyncio.gather(*futures)
+        finally:
+            await producer.stop()
+
+    asyncio.run(main())
+
+
+async def _latency_run(
+    bootstrap: str, topic: str, markers: str | None, rate: int, seconds: float, size: int
+) -> list[float]:
+    """Join first, then start the producer process and record hand-over latencies."""
+    expected = int(rate * seconds * 0.98)
+    latencies: list[float] = []
+    if markers is None:
+        plain = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=bootstrap,
+            group_id=unique("plain-lat"),
+            enable_auto_commit=False,
+            auto_offset_reset="latest",
+            **LOW_LATENCY,
+        )
+        await plain.start()
+        kmq = None
+    else:
+        kmq = KmqConsumer(
+            topic,
+            group_id=unique("kmq-lat"),
+            bootstrap_servers=bootstrap,
+            markers_topic=markers,
+            processing_timeout=timedelta(seconds=30),
+            max_batch=BATCH,
+            fetch_timeout=timedelta(milliseconds=100),
+            consumer_config={**LOW_LATENCY, "auto_offset_reset": "latest"},
+        )
+        await kmq.start()
+    process: Any = None
+    try:
+        # Join the group before anything is produced (so there is no backlog).
+        deadline = time.monotonic() + 30
+        while True:
+            assigned = plain.assignment() if kmq is None else kmq.assignment()
+            if len(assigned) == PARTITIONS:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("consumer did not get its partitions")
+            if kmq is None:
+                await plain.getmany(timeout_ms=100)
+            else:
+                await kmq.getmany(timedelta(milliseconds=100))
+        process = multiprocessing.get_context("spawn").Process(
+            target=_rate_producer, args=(bootstrap, topic, rate, seconds, size), daemon=True
+        )
+        process.start()
+        stop_at = time.monotonic() + seconds + 30
+        while len(latencies) < expected and time.monotonic() < stop_at:
+            if kmq is None:
+                fetched = await plain.getmany(timeout_ms=100, max_records=BATCH)
+                now = time.time()
+                for records in fetched.values():
+                    latencies.extend(now - _TS.unpack_from(r.value)[0] for r in records)
+                if fetched:
+                    await plain.commit()
+            else:
+                try:
+                    messages = await kmq.getmany(timedelta(milliseconds=100))
+                except MarkerWriteFailed as exc:
+                    print(f"  (kmq: {exc}; batch re-read)", flush=True)
+                    continue
+                now = time.time()
+                for message in messages:
+                    assert message.value is not None
+                    latencies.append(now - _TS.unpack_from(message.value)[0])
+                    await message.ack()
+    finally:
+        if process is not None:
+            await asyncio.to_thread(process.join, 60)
+        if kmq is None:
+            await plain.stop()
+        else:
+            await kmq.stop()
+    return latencies
+
+
+# -- the scenario -----------------------------------------------------------------------------
+
+
+async def run(
+    infra: Infra,
+    *,
+    messages: int = 200_000,
+    sizes: tuple[int, ...] = (100, 1024),
+    repeat: int = 2,
+    latency_rate: int = 2000,
+    latency_seconds: float = 8.0,
+) -> ScenarioResult:
+    result = ScenarioResult("consumer_overhead", "1. Consumer overhead: kmq client vs aiokafka")
+    bootstrap = infra.bootstrap
+    for size in sizes:
+        topic = await create_topic(bootstrap, unique(f"bench-s1-{size}b"), PARTITIONS)
+        markers = await create_topic(bootstrap, unique("bench-s1-markers"), PARTITIONS)
+        lat_topic = await create_topic(bootstrap, unique(f"bench-s1-lat-{size}b"), PARTITIONS)
+        try:
+            produce_rate = await fill_topic(bootstrap, topic, messages, size)
+            runs: dict[str, list[dict[str, float]]] = {"plain": [], "kmq": []}
+            for _ in range(repeat):
+                runs["plain"].append(await plain_throughput(bootstrap, topic, messages))
+                runs["kmq"].append(await kmq_throughput(bootstrap, topic, markers, messages))
+            best = {k: max(v, key=lambda r: r["rate"]) for k, v in runs.items()}
+            ratio = best["kmq"]["rate"] / best["plain"]["rate"]
+            plain_lat = await _latency_run(
+                bootstrap, lat_topic, None, latency_rate, latency_seconds, size
+            )
+            kmq_lat = await _latency_run(
+                bootstrap, lat_topic, markers, latency_rate, latency_seconds, size
+            )
+        finally:
+            await delete_topics(bootstrap, [topic, markers, lat_topic])
+        p, k = summary_ms(plain_lat), summary_ms(kmq_lat)
+        added = {q: k[f"{q}_ms"] - p[f"{q}_ms"] for q in ("p50", "p95", "p99")}
+        label = f"{size} B"
+        result.data[str(size)] = {
+            "messages": messages,
+            "fill_rate": produce_rate,
+            "runs": runs,
+            "latency_plain": p,
+            "latency_kmq": k,
+            "latency_added_ms": added,
+            "latency_rate": latency_rate,
+        }
+        result.add(Figure(f"{label}: plain aiokafka throughput", best["plain"]["rate"], "msg/s"))
+        result.add(Figure(f"{label}: kmq client throughput", best["kmq"]["rate"], "msg/s"))
+        result.add(Figure(f"{label}: throughput ratio kmq/plain", ratio, "x", 0.90, ">="))
+        result.add(
+            Figure(
+                f"{label}: CPU per message plain / kmq",
+                best["kmq"]["cpu_us_per_msg"] / best["plain"]["cpu_us_per_msg"],
+                "x",
+                note=f"{best['plain']['cpu_us_per_msg']:.1f} vs "
+                f"{best['kmq']['cpu_us_per_msg']:.1f} us/msg",
+            )
+        )
+        for q in ("p50", "p95", "p99"):
+            result.add(
+                Figure(
+                    f"{label}: added {q} latency produce->hand-over",
+                    added[q],
+                    "ms",
+                    10.0 if q == "p95" else None,
+                    "<=",
+                    note=f"plain {p[f'{q}_ms']:.1f} ms, kmq {k[f'{q}_ms']:.1f} ms",
+                )
+            )
+    return result

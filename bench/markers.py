@@ -1,0 +1,80 @@
+"""Building and producing marker workloads (bench helpers; markers are real v1 markers)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+
+from tracker.ids import MessageId
+from tracker.partitioning import marker_key, markers_partition
+from tracker.protocol import Marker, encode_marker
+
+GROUP = "bench"
+CONSUMER = "bench-worker:1"
+
+
+def start(topic: str, partition: int, offset: int, timeout_ms: int) -> Marker:
+    return Marker.start(
+        GROUP, MessageId(topic, partition, offset), timeout_ms=timeout_ms, consumer=CONSUMER
+    )
+
+
+def ack(topic: str, partition: int, offset: int) -> Marker:
+    return Marker.ack(GROUP, MessageId(topic, partition, offset))
+
+
+async def produce_markers(
+    producer: Any, markers_topic: str, markers: Iterable[Marker], partitions: int
+) -> int:
+    """Produce markers with the batch API, each to its origin's markers partition, in order."""
+    by_partition: dict[int, list[tuple[bytes, bytes]]] = defaultdict(list)
+    count = 0
+    for marker in markers:
+        p = markers_partition(marker.origin_topic, marker.origin_partition, partitions)
+        key = marker_key(marker.origin_topic, marker.origin_partition)
+        by_partition[p].append((key, encode_marker(marker)))
+        count += 1
+    await produce_raw(producer, markers_topic, by_partition)
+    return count
+
+
+async def produce_raw(
+    producer: Any, topic: str, by_partition: dict[int, list[tuple[bytes | None, bytes]]] | Any
+) -> None:
+    futures = []
+    for partition, items in by_partition.items():
+        batch = producer.create_batch()
+        for key, value in items:
+            if batch.append(key=key, value=value, timestamp=None) is None:
+                batch.close()
+                futures.append(await producer.send_batch(batch, topic, partition=partition))
+                batch = producer.create_batch()
+                batch.append(key=key, value=value, timestamp=None)
+        batch.close()
+        futures.append(await producer.send_batch(batch, topic, partition=partition))
+    await asyncio.gather(*futures)
+
+
+async def fill_queue(
+    bootstrap: str, topic: str, partitions: int, per_partition: int, size: int = 100
+) -> None:
+    """``per_partition`` records of ``size`` bytes in each partition (offsets 0..n-1)."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        value = b"q" * size
+        step = 20_000
+        for low in range(0, per_partition, step):
+            n = min(step, per_partition - low)
+            await produce_raw(producer, topic, {p: [(None, value)] * n for p in range(partitions)})
+    finally:
+        await producer.stop()
+
+
+def chunked(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

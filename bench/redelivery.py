@@ -1,0 +1,383 @@
+"""Scenario 3: redelivery throughput and punctuality, with the real tracker.
+
+* **(a) burst**: ``burst`` messages (8 partitions) get a START with the same lease, written as
+  fast as possible, never acked; the tracker ingests them and republishes all of them when the
+  leases expire. The republish rate (copies/s, from the first copy to the last, as counted by
+  the tracker's ``kmq_redeliveries_total``) is compared with the raw rate of an aiokafka
+  producer with the tracker's settings (``acks=all``, ``linger_ms=2``) sending as many records
+  of the same size and headers, in the same run.
+* **(b) steady**: a process writes 1,000 STARTs/s (lease ``LEASE_MS``, never acked) for
+  ``steady_seconds``; a watcher reads the copies. End-to-end lateness per message = the copy's
+  record timestamp - (the START record's timestamp + lease). The tracker deliberately waits
+  ``ack_grace`` after a deadline (an ACK written just before the deadline may still be on its
+  way), so lateness is reported after the deadline and after deadline + ``ack_grace``; the
+  target is judged on the latter (the earliest moment the tracker is allowed to act), the
+  deadline figure is shown next to it. ``ack_grace`` and ``coalesce_window`` are set here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import time
+from datetime import timedelta
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from tracker import headers as h
+from tracker.engine.process import Tracker
+from tracker.ids import MessageId
+
+from . import markers as mk
+from .common import (
+    Figure,
+    Infra,
+    ScenarioResult,
+    Stopwatch,
+    create_topic,
+    delete_topics,
+    summary_ms,
+    unique,
+    wait_until,
+)
+from .ingest import settings_for
+
+PARTITIONS = 8
+SIZE = 100
+LEASE_MS = 3000
+ACK_GRACE = timedelta(milliseconds=500)
+COALESCE = timedelta(seconds=1)
+
+
+def _tracker(infra: Infra, url: str, markers: str, retry: str) -> Tracker:
+    return Tracker(
+        settings_for(
+            infra,
+            url,
+            markers,
+            coalesce_window=COALESCE,
+            ack_grace=ACK_GRACE,
+            max_idle_sleep=timedelta(seconds=5),
+            default_policy={"retry_topic": retry, "max_attempts": 100},
+        )
+    )
+
+
+async def raw_produce_rate(bootstrap: str, topic: str, count: int) -> float:
+    """The tracker's producer settings, records like its copies, sent as fast as possible."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=2)
+    await producer.start()
+    try:
+        value = b"q" * SIZE
+        headers = [
+            (h.ORIGIN, b"bench-queue-0123456789/3/123456"),
+            (h.GROUP, mk.GROUP.encode()),
+            (h.FIRST_SEEN, b"1700000000000"),
+            (h.ATTEMPT, b"2"),
+        ]
+        watch = Stopwatch()
+        futures = [await producer.send(topic, value=value, headers=headers) for _ in range(count)]
+        await asyncio.gather(*futures)
+        return count / watch.seconds
+    finally:
+        await producer.stop()
+
+
+async def burst(
+    infra: Infra, store: str, count: int, min_lease_ms: int = 5_000
+) -> dict[str, float]:
+    bootstrap = infra.bootstrap
+    queue = await create_topic(bootstrap, unique("bench-s3a-queue"), PARTITIONS)
+    retry = await create_topic(bootstrap, unique("bench-s3a-retry"), PARTITIONS)
+    markers = await create_topic(bootstrap, unique("bench-s3a-markers"), PARTITIONS)
+    try:
+        per_partition = count // PARTITIONS
+        await mk.fill_queue(bootstrap, queue, PARTITIONS, per_partition, SIZE)
+        raw = max([await raw_produce_rate(bootstrap, retry, count) for _ in range(2)])
+        tracker = _tracker(infra, infra.database_url(store, unique("s3a")), markers, retry)
+        await tracker.start()
+        redelivered = tracker.metrics.redeliveries.labels(queue)
+        try:
+            # Lease: long enough for the tracker to ingest every START before the first expires.
+            lease_ms = max(min_lease_ms, count // 5)
+            producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+            await producer.start()
+            try:
+                starts = [
+                    mk.start(queue, p, o, lease_ms)
+                    for o in range(per_partition)
+                    for p in range(PARTITIONS)
+                ]
+                written = Stopwatch()
+                await mk.produce_markers(producer, markers, starts, PARTITIONS)
+                write_seconds = written.seconds
+            finally:
+                await producer.stop()
+            total = per_partition * PARTITIONS
+            # The clock starts when the first lease ran out and ack_grace passed: the earliest
+            # moment the tracker may republish anything.
+            t0 = written.started + lease_ms / 1000 + ACK_GRACE.total_seconds()
+            await wait_until(
+                lambda: redelivered._value.get() > 0, lease_ms / 1000 + 120, "first copy", 0.005
+            )
+            t1 = await wait_until(
+                lambda: redelivered._value.get() >= total, 300, "all copies", 0.005
+            )
+        finally:
+            await tracker.close()
+    finally:
+        await delete_topics(bootstrap, [queue, retry, markers])
+    rate = total / (t1 - t0) if t1 > t0 else float("nan")
+    return {
+        "copies": total,
+        "republish_rate": rate,
+        "raw_produce_rate": raw,
+        "seconds": t1 - t0,
+        "starts_written_seconds": write_seconds,
+    }
+
+
+def _paced_starts(
+    bootstrap: str, markers: str, queue: str, rate: int, seconds: float, lease_ms: int
+) -> None:
+    """Child process: ``rate`` STARTs/s with explicit record timestamps, offsets in order."""
+
+    async def main() -> None:
+        from tracker.partitioning import marker_key, markers_partition  # noqa: PLC0415
+        from tracker.protocol import encode_marker  # noqa: PLC0415
+
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+        await producer.start()
+        try:
+            tick = 0.01
+            owed = 0.0
+            n = 0
+            started = time.monotonic()
+            next_tick = started
+            futures = []
+            while time.monotonic() - started < seconds:
+                owed += rate * tick
+                while owed >= 1:
+                    p, o = n % PARTITIONS, n // PARTITIONS
+                    marker = mk.start(queue, p, o, lease_ms)
+                    futures.append(
+                        await producer.send(
+                            markers,
+                            value=encode_marker(marker),
+                            key=marker_key(queue, p),
+                            partition=markers_partition(queue, p, PARTITIONS),
+                            timestamp_ms=int(time.time() * 1000),
+                        )
+                    )
+                    n += 1
+                    owed -= 1
+                next_tick += tick
+                await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+            await asyncio.gather(*futures)
+        finally:
+            await producer.stop()
+
+    asyncio.run(main())
+
+
+async def _read_timestamps(
+    bootstrap: str, topic: str, out: dict[Any, int], key_of: Any, stop: asyncio.Event
+) -> None:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, 0)
+        while not stop.is_set():
+            fetched = await consumer.getmany(timeout_ms=100)
+            for records in fetched.values():
+                for r in records:
+                    out[key_of(r)] = r.timestamp
+    finally:
+        await consumer.stop()
+
+
+def _histogram_quantile(histogram: Any, q: float) -> float:
+    """Upper bound of the bucket holding the ``q`` quantile of a prometheus Histogram."""
+    samples = [s for s in histogram.collect()[0].samples if s.name.endswith("_bucket")]
+    total = samples[-1].value if samples else 0
+    for sample in samples:
+        if total and sample.value >= q * total:
+            return float(sample.labels["le"])
+    return float("nan")
+
+
+def _histogram_mean_count(histogram: Any) -> tuple[float, int]:
+    samples = {s.name: s.value for s in histogram.collect()[0].samples if "le" not in s.labels}
+    count = next((v for k, v in samples.items() if k.endswith("_count")), 0.0)
+    total = next((v for k, v in samples.items() if k.endswith("_sum")), 0.0)
+    return (total / count if count else float("nan")), int(count)
+
+
+async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[str, Any]:
+    bootstrap = infra.bootstrap
+    queue = await create_topic(bootstrap, unique("bench-s3b-queue"), PARTITIONS)
+    retry = await create_topic(bootstrap, unique("bench-s3b-retry"), PARTITIONS)
+    markers = await create_topic(bootstrap, unique("bench-s3b-markers"), PARTITIONS)
+    expected = int(rate * seconds)
+    starts: dict[Any, int] = {}
+    copies: dict[Any, int] = {}
+    stop = asyncio.Event()
+    try:
+        await mk.fill_queue(bootstrap, queue, PARTITIONS, expected // PARTITIONS + rate, SIZE)
+        tracker = _tracker(infra, infra.database_url(store, unique("s3b")), markers, retry)
+        await tracker.start()
+        readers: list[asyncio.Task[None]] = []
+        try:
+            await wait_until(
+                lambda: len(tracker.ingest.owned_epochs()) == PARTITIONS, 60, "partitions"
+            )
+            await asyncio.sleep(1.0)  # let ingest record that it is caught up
+            readers = [
+                asyncio.create_task(
+                    _read_timestamps(
+                        bootstrap,
+                        markers,
+                        starts,
+                        lambda r: (r.partition, mk_origin(r.value)),
+                        stop,
+                    )
+                ),
+                asyncio.create_task(
+                    _read_timestamps(
+                        bootstrap, retry, copies, lambda r: (-1, copy_origin(r.headers)), stop
+                    )
+                ),
+            ]
+            process = multiprocessing.get_context("spawn").Process(
+                target=_paced_starts,
+                args=(bootstrap, markers, queue, rate, seconds, LEASE_MS),
+                daemon=True,
+            )
+            process.start()
+            await asyncio.to_thread(process.join, seconds + 60)
+            await wait_until(
+                lambda: len(copies) >= len(starts) > 0, LEASE_MS / 1000 + 60, "all copies", 0.1
+            )
+            histogram = tracker.metrics.redelivery_lateness
+            tracker_p50 = _histogram_quantile(histogram, 0.5)
+            tracker_p99 = _histogram_quantile(histogram, 0.99)
+            rounds = _histogram_mean_count(tracker.metrics.redelivery_seconds)
+        finally:
+            stop.set()
+            for task in readers:
+                with contextlib.suppress(Exception):
+                    await task
+            await tracker.close()
+    finally:
+        await delete_topics(bootstrap, [queue, retry, markers])
+    by_origin = {origin: ts for (_, origin), ts in starts.items()}
+    lateness = [
+        (copies[(-1, origin)] - (ts + LEASE_MS)) / 1000
+        for origin, ts in by_origin.items()
+        if (-1, origin) in copies
+    ]
+    grace = ACK_GRACE.total_seconds()
+    return {
+        "starts": len(by_origin),
+        "copies": len(copies),
+        "after_deadline": summary_ms(lateness),
+        "after_deadline_plus_grace": summary_ms([x - grace for x in lateness]),
+        "tracker_histogram_p50_le_s": tracker_p50,
+        "tracker_histogram_p99_le_s": tracker_p99,
+        "redelivery_round_mean_ms": rounds[0] * 1000,
+        "redelivery_rounds": rounds[1],
+        "samples_ms": sorted(round(x * 1000) for x in lateness),
+    }
+
+
+def mk_origin(value: bytes) -> MessageId:
+    from tracker.protocol import decode_marker  # noqa: PLC0415
+
+    return decode_marker(value).origin
+
+
+def copy_origin(headers: Any) -> MessageId:
+    for name, value in headers:
+        if name == h.ORIGIN:
+            return MessageId.parse(value.decode())
+    raise ValueError("copy without origin header")
+
+
+async def run(
+    infra: Infra,
+    *,
+    burst_messages: int = 100_000,
+    steady_rate: int = 1000,
+    steady_seconds: float = 15.0,
+    stores: tuple[str, ...] = ("sqlite", "postgres"),
+    min_lease_ms: int = 5_000,
+) -> ScenarioResult:
+    result = ScenarioResult("redelivery", "3. Redelivery: burst rate and steady lateness")
+    logging.getLogger("tracker").setLevel(logging.ERROR)
+    for store in stores:
+        b = await burst(infra, store, burst_messages, min_lease_ms)
+        result.data[f"burst_{store}"] = b
+        result.add(Figure(f"(a) {store}: raw produce rate", b["raw_produce_rate"], "records/s"))
+        result.add(Figure(f"(a) {store}: republish rate", b["republish_rate"], "copies/s"))
+        result.add(
+            Figure(
+                f"(a) {store}: republish / raw produce",
+                b["republish_rate"] / b["raw_produce_rate"],
+                "x",
+                0.5,
+                ">=",
+                note=f"{b['copies']:,} copies in {b['seconds']:.1f} s",
+            )
+        )
+    for store in stores:
+        s = await steady(infra, store, steady_rate, steady_seconds)
+        samples = s.pop("samples_ms")
+        result.data[f"steady_{store}"] = s
+        result.data[f"steady_{store}_samples_ms"] = samples[:: max(1, len(samples) // 2000)]
+        d, g = s["after_deadline"], s["after_deadline_plus_grace"]
+        grace_ms = ACK_GRACE.total_seconds() * 1000
+        result.add(
+            Figure(f"(b) {store}: p50 lateness after deadline + ack_grace", g["p50_ms"], "ms")
+        )
+        result.add(
+            Figure(
+                f"(b) {store}: p99 lateness after deadline + ack_grace",
+                g["p99_ms"],
+                "ms",
+                100,
+                "<=",
+                note=f"{s['copies']:,} of {s['starts']:,} copies; ack_grace {grace_ms:.0f} ms",
+            )
+        )
+        result.add(
+            Figure(
+                f"(b) {store}: p50 / p99 lateness after the raw deadline",
+                d["p99_ms"],
+                "ms (p99)",
+                note=f"p50 {d['p50_ms']:.0f} ms; includes ack_grace {grace_ms:.0f} ms by design",
+            )
+        )
+        result.add(
+            Figure(
+                f"(b) {store}: tracker histogram p99 bucket",
+                s["tracker_histogram_p99_le_s"] * 1000,
+                "ms (le)",
+                note="kmq_redelivery_lateness_seconds: claim time - due time "
+                "(due = deadline; bucket upper bound)",
+            )
+        )
+        result.add(
+            Figure(
+                f"(b) {store}: mean redelivery round",
+                s["redelivery_round_mean_ms"],
+                "ms",
+                note=f"{s['redelivery_rounds']} rounds (claim, read originals, produce, record)",
+            )
+        )
+    return result

@@ -1,0 +1,120 @@
+"""A tracker replica with its admin API on real uvicorn, in its own process (for RSS and HTTP).
+
+``python -m bench.tracker_proc SETTINGS_JSON PORT``: builds :class:`Tracker` from the JSON
+settings, serves ``api.app.create_app(ApiContext.from_tracker(tracker))`` on ``PORT``, prints
+``READY`` once the API answers and the tracker owns markers partitions, and runs until SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from .common import ROOT, rss_mb
+
+
+async def _main(settings_json: str, port: int) -> None:
+    from api.app import create_app  # noqa: PLC0415
+    from api.context import ApiContext  # noqa: PLC0415
+    from api.server import serve  # noqa: PLC0415
+    from tracker.engine.process import Tracker  # noqa: PLC0415
+    from tracker.settings import TrackerSettings  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.ERROR)
+    settings = TrackerSettings(**json.loads(settings_json))
+    tracker = Tracker(settings)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stopping.set)
+    await tracker.start()
+    context = ApiContext.from_tracker(tracker)
+    server = asyncio.create_task(serve(create_app(context), "127.0.0.1", port, stopping))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get("/healthz")).status_code == 200 and (
+                        tracker.ingest.owned_epochs()
+                    ):
+                        break
+                await asyncio.sleep(0.1)
+        print("READY", flush=True)
+        await stopping.wait()
+    finally:
+        stopping.set()
+        with contextlib.suppress(Exception):
+            await server
+        await context.close()
+        await tracker.close()
+
+
+class TrackerProcess:
+    """Start/stop the subprocess; its RSS from /proc."""
+
+    def __init__(self, settings: dict[str, Any], port: int, log: Path) -> None:
+        self._settings = settings
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log_path = log
+        self._log: IO[bytes] | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
+    async def start(self, within: float = 90) -> None:
+        self._log = self._log_path.open("wb")
+        self._process = subprocess.Popen(  # noqa: S603, ASYNC220 - our own module; returns at once
+            [
+                sys.executable,
+                "-m",
+                "bench.tracker_proc",
+                json.dumps(self._settings, default=str),
+                str(self.port),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        assert self._process.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(self._process.stdout.readline), within)
+        if line.strip() != b"READY":
+            await self.stop()
+            tail = self._log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"tracker process did not come up: {line!r}\n{tail}")
+
+    def rss(self) -> tuple[float, float]:
+        return rss_mb(self.pid)
+
+    async def stop(self) -> None:
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(process.wait, 60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                await asyncio.to_thread(process.wait, 10)
+        if process is not None and process.stdout is not None:
+            process.stdout.close()
+        self._process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+if __name__ == "__main__":
+    asyncio.run(_main(sys.argv[1], int(sys.argv[2])))
