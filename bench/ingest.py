@@ -6,6 +6,9 @@ A markers topic (8 partitions) is filled once per workload:
   of 500 STARTs followed by their 500 ACKs, as the client writes them). The pair folds in
   memory; the store is still asked once per flush whether older entries exist for the keys.
 * **(b) not acked**: only STARTs (10-minute lease): every message is persisted.
+* **(c) 50 % garbage**: workload (a) with a refused value (random bytes, a truncated marker,
+  a wrong version, trailing bytes) after each marker, on the same partition. The tracker parks
+  each one on ``<markers>.invalid``; the figure is its rate of *valid* markers next to (a)'s.
 
 Then, in the same run, plain aiokafka reads the whole topic (``assign`` + ``getmany`` with the
 tracker's ``ingest_max_records``), and the real :class:`tracker.engine.process.Tracker` ingests
@@ -92,10 +95,17 @@ async def raw_read(bootstrap: str, topic: str, total: int, max_records: int) -> 
 
 
 async def tracker_ingest(
-    infra: Infra, database_url: str, markers_topic: str, ends: dict[int, int]
+    infra: Infra,
+    database_url: str,
+    markers_topic: str,
+    ends: dict[int, int],
+    valid: int | None = None,
 ) -> dict[str, float]:
-    """Run a Tracker over the whole markers topic; markers/s from first marker to durable."""
-    total = sum(ends.values())
+    """Run a Tracker over the whole markers topic; markers/s from first marker to durable.
+
+    ``valid``: how many of the records are valid markers (the rate counts only those).
+    """
+    total = sum(ends.values()) if valid is None else valid
     tracker = Tracker(settings_for(infra, database_url, markers_topic))
     ingested = tracker.metrics.markers_ingested
 
@@ -138,26 +148,46 @@ async def run(
         await producer.start()
         try:
             topics: dict[str, str] = {}
-            for name, acked in (("acked", True), ("unacked", False)):
+            valid: dict[str, int] = {}
+            for name, acked in (("acked", True), ("unacked", False), ("garbage", True)):
                 topic = await create_topic(bootstrap, unique(f"bench-s2-{name}"), PARTITIONS)
                 made.append(topic)
-                await mk.produce_markers(
-                    producer, topic, workload(queue, messages, acked=acked), PARTITIONS
-                )
+                markers = workload(queue, messages, acked=acked)
+                if name == "garbage":
+                    made.append(f"{topic}.invalid")
+                    valid[name] = len(markers)
+                    await mk.produce_with_garbage(producer, topic, markers, PARTITIONS, seed=7)
+                else:
+                    await mk.produce_markers(producer, topic, markers, PARTITIONS)
                 topics[name] = topic
         finally:
             await producer.stop()
         for name, topic in topics.items():
             ends = await highwaters(bootstrap, topic)
             total = sum(ends.values())
-            raw = max([await raw_read(bootstrap, topic, total, 5000) for _ in range(2)])
-            entry: dict[str, Any] = {"markers": total, "raw_read_rate": raw, "stores": {}}
-            result.add(Figure(f"({name}) plain aiokafka read rate", raw, "markers/s"))
+            entry: dict[str, Any] = {"markers": total, "stores": {}}
+            if name != "garbage":
+                raw = max([await raw_read(bootstrap, topic, total, 5000) for _ in range(2)])
+                entry["raw_read_rate"] = raw
+                result.add(Figure(f"({name}) plain aiokafka read rate", raw, "markers/s"))
             for store in stores:
                 url = infra.database_url(store, unique(f"s2-{name}"))
-                run_ = await tracker_ingest(infra, url, topic, ends)
+                run_ = await tracker_ingest(infra, url, topic, ends, valid.get(name))
                 entry["stores"][store] = run_
-                if name == "acked":
+                if name == "garbage":
+                    entry["valid_markers"] = valid[name]
+                    clean = result.data["acked"]["stores"][store]["rate"]
+                    result.add(
+                        Figure(
+                            f"(c) 50 % garbage, {store}: valid-marker rate / (a)",
+                            run_["rate"] / clean,
+                            "x",
+                            0.5,
+                            ">=",
+                            note=f"{run_['rate']:,.0f} valid markers/s",
+                        )
+                    )
+                elif name == "acked":
                     result.add(
                         Figure(f"(a) acked, {store}: ingest rate", run_["rate"], "markers/s")
                     )

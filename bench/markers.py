@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,6 +39,38 @@ async def produce_markers(
         key = marker_key(marker.origin_topic, marker.origin_partition)
         by_partition[p].append((key, encode_marker(marker)))
         count += 1
+    await produce_raw(producer, markers_topic, by_partition)
+    return count
+
+
+def refused_value(rng: random.Random, valid: bytes) -> bytes:
+    """A value the tracker must park: random bytes, a truncated or re-versioned marker, or
+    trailing bytes after a valid one (the reliability fuzz covers every kind; these are the
+    common ones, for a rate measurement)."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(1, 64))
+    if kind == 1:
+        return valid[: rng.randrange(1, len(valid))]
+    if kind == 2:
+        return bytes([99]) + valid[1:]
+    return valid + b"\x00"
+
+
+async def produce_with_garbage(
+    producer: Any, markers_topic: str, markers: Iterable[Marker], partitions: int, seed: int
+) -> int:
+    """Like :func:`produce_markers`, with one refused value after each marker (50 % garbage)."""
+    rng = random.Random(seed)
+    by_partition: dict[int, list[tuple[bytes | None, bytes]]] = defaultdict(list)
+    count = 0
+    for marker in markers:
+        p = markers_partition(marker.origin_topic, marker.origin_partition, partitions)
+        key = marker_key(marker.origin_topic, marker.origin_partition)
+        value = encode_marker(marker)
+        by_partition[p].append((key, value))
+        by_partition[p].append((key, refused_value(rng, value)))
+        count += 2
     await produce_raw(producer, markers_topic, by_partition)
     return count
 

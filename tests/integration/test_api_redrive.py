@@ -180,10 +180,12 @@ async def test_redrive_of_two_thousand_at_the_rate_limit(
     )
     records = [r for r in await read_all(env.bootstrap, origin, 2) if header(r, REDRIVE_JOB)]
     assert sorted(redriven_items(records, job["id"])) == ids  # each exactly once
-    # Observed rate, from the records' timestamps: within 20% of the limit.
+    # Observed rate, from the records' timestamps: never over the limit (20 % for the clock
+    # and batching), and not throttled far below it (the lower bound leaves room for a CI
+    # machine busy with other tests: it only catches a limiter that waits far too long).
     stamps = sorted(r.timestamp for r in records)
     rate = (len(stamps) - 1) / ((stamps[-1] - stamps[0]) / 1000)
-    assert 800 <= rate <= 1200, f"observed {rate:.0f} messages/s for a limit of 1000"
+    assert 500 <= rate <= 1200, f"observed {rate:.0f} messages/s for a limit of 1000"
     # The record is the DLQ record without the kmq-dlq-* headers, plus the redrive marks.
     sample = next(r for r in records if r.key == b"key-7")
     assert sample.value == b"value-7"
