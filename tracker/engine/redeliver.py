@@ -30,6 +30,7 @@ from prometheus_client import Counter
 
 from tracker import headers as h
 from tracker.clock import Clock, to_millis
+from tracker.engine.copies import CopyBatches
 from tracker.engine.entries import Decision, Entry, EntryKey, Plan, plan_due
 from tracker.errors import KmqError
 from tracker.ids import MessageId
@@ -225,35 +226,11 @@ class Redeliverer:
     ) -> None:
         now_ms = to_millis(self._clock.now())
         payloads = await self._payloads(entries) if entries else {}
-        sends: list[tuple[Entry, Plan, str, str, asyncio.Future[Any]]] = []
-        lost: list[tuple[EntryKey, str]] = []
+        batches = CopyBatches(self._producer)
         retry: list[tuple[EntryKey, int]] = list(later)
-        lost_entries: list[Entry] = []
-        for claimed in entries:
-            original = payloads[claimed.key]
-            if original is None:
-                retry.append((claimed.key, now_ms + RETRY_AFTER_MS))
-                continue
-            if isinstance(original, Missing):
-                copy = f"{claimed.copy_topic}/{claimed.copy_partition}/{claimed.copy_offset}"
-                reason = f"original {copy} unreadable: {original.reason}"
-                lost.append((claimed.key, reason))
-                lost_entries.append(claimed)
-                continue
-            entry = replace(claimed, first_seen_ms=_first_seen(claimed, original))
-            plan = plan_due(entry, self._policy_for(entry.origin_topic).max_attempts)
-            target, record_headers, detail = self._outgoing(entry, plan, original, now_ms)
-            try:
-                if self._ensure_topic is not None and target != entry.origin_topic:
-                    await self._ensure_topic(target, entry.origin_topic)
-                future = await self._producer.send(
-                    target, value=original.value, key=original.key, headers=record_headers
-                )
-            except (KafkaError, KmqError) as exc:
-                log.warning("cannot produce to %s now: %r", target, exc)
-                retry.append((entry.key, now_ms + RETRY_AFTER_MS))
-                continue
-            sends.append((entry, plan, target, detail, future))
+        sends, lost, lost_entries = await self._queue_copies(
+            entries, payloads, batches, retry, now_ms
+        )
 
         done: list[tuple[str, str, int, int]] = []
         dead: list[DeadLetterRecord] = []
@@ -261,10 +238,12 @@ class Redeliverer:
         # Counted once the round is recorded: a scrape never sees a redelivery counted while
         # its entry still reads as in flight.
         counted: list[Counter] = []
-        results = await asyncio.gather(*(s[4] for s in sends), return_exceptions=True)
-        for (entry, plan, target, detail, _), result in zip(sends, results, strict=True):
+        await batches.send()
+        failed: dict[str, BaseException] = {}
+        for entry, plan, target, detail, ticket in sends:
+            result = batches.result(ticket)
             if isinstance(result, BaseException):
-                log.warning("producing to %s failed: %r", target, result)
+                failed.setdefault(target, result)
                 retry.append((entry.key, now_ms + RETRY_AFTER_MS))
                 continue
             if plan.decision is Decision.REDELIVER:
@@ -285,6 +264,8 @@ class Redeliverer:
                 )
                 counted.append(self._metrics.dead_lettered.labels(entry.origin_topic))
                 events.append(TrackerEvent("dead_lettered", entry, detail))
+        for target, error in failed.items():  # one line per topic, not one per record
+            log.warning("producing to %s failed (retried later): %r", target, error)
         events += self._report_lost(lost_entries, lost, counted)
         await self._store.finish_redelivery(
             token,
@@ -299,6 +280,51 @@ class Redeliverer:
         for counter in counted:
             counter.inc()
         await self._emit(events)
+
+    async def _queue_copies(
+        self,
+        entries: list[Entry],
+        payloads: dict[EntryKey, OriginalRecord | Missing | None],
+        batches: CopyBatches,
+        retry: list[tuple[EntryKey, int]],
+        now_ms: int,
+    ) -> tuple[list[tuple[Entry, Plan, str, str, int]], list[tuple[EntryKey, str]], list[Entry]]:
+        """Queue each entry's copy or dead letter; returns (queued, lost, lost entries).
+
+        Entries that cannot be acted on now go to ``retry``.
+        """
+        sends: list[tuple[Entry, Plan, str, str, int]] = []
+        lost: list[tuple[EntryKey, str]] = []
+        lost_entries: list[Entry] = []
+        for claimed in entries:
+            original = payloads[claimed.key]
+            if original is None:
+                retry.append((claimed.key, now_ms + RETRY_AFTER_MS))
+                continue
+            if isinstance(original, Missing):
+                copy = f"{claimed.copy_topic}/{claimed.copy_partition}/{claimed.copy_offset}"
+                reason = f"original {copy} unreadable: {original.reason}"
+                lost.append((claimed.key, reason))
+                lost_entries.append(claimed)
+                continue
+            first_seen = _first_seen(claimed, original)
+            entry = (  # copying an Entry costs more than the rest of this loop: only if needed
+                claimed
+                if first_seen == claimed.first_seen_ms
+                else replace(claimed, first_seen_ms=first_seen)
+            )
+            plan = plan_due(entry, self._policy_for(entry.origin_topic).max_attempts)
+            target, record_headers, detail = self._outgoing(entry, plan, original, now_ms)
+            try:
+                if self._ensure_topic is not None and target != entry.origin_topic:
+                    await self._ensure_topic(target, entry.origin_topic)
+                ticket = await batches.add(target, original.key, original.value, record_headers)
+            except (KafkaError, KmqError) as exc:
+                log.warning("cannot produce to %s now: %r", target, exc)
+                retry.append((entry.key, now_ms + RETRY_AFTER_MS))
+                continue
+            sends.append((entry, plan, target, detail, ticket))
+        return sends, lost, lost_entries
 
     def _report_lost(
         self, entries: Sequence[Entry], lost: Sequence[tuple[EntryKey, str]], counted: list[Counter]
