@@ -535,6 +535,26 @@ async def test_claim_due_claims_due_entries_of_owned_partitions_in_due_order(
     assert (not_due.claim_token, not_due.due_at_ms) == (None, T0 + 10_000)
 
 
+async def test_claim_due_takes_the_earliest_entries_across_partitions(store: Store) -> None:
+    """The limit applies to all searched partitions together: the earliest due win, wherever
+    they are, in due order (then key order); each partition's later entries wait."""
+    epochs = await claim(store, [0, 1, 2])
+    timeouts = {0: (500, 100, 900), 1: (300, 100, 700), 2: (200, 800, 600)}
+    offset = 200
+    for partition, per_partition in timeouts.items():
+        for timeout in per_partition:
+            await start(store, epochs, offset, timeout_ms=timeout, markers_partition=partition)
+            offset += 1
+    # offsets: p0 200 (500), 201 (100), 202 (900); p1 203 (300), 204 (100), 205 (700);
+    # p2 206 (200), 207 (800), 208 (600)
+    claimed, _ = await claim_due(store, epochs, T0 + 10_000, "across", limit=4)
+    assert [e.key for e in claimed] == [key(201), key(204), key(206), key(203)]
+    assert [e.due_at_ms for e in claimed] == [T0 + 100, T0 + 100, T0 + 200, T0 + 300]
+    assert {e.claim_token for e in claimed} == {"across"}
+    claimed, _ = await claim_due(store, epochs, T0 + 10_000, "rest", limit=100)
+    assert [e.key for e in claimed] == [key(200), key(208), key(205), key(207), key(202)]
+
+
 async def test_claim_due_skips_fenced_partitions(store: Store) -> None:
     epochs = await claim(store, [0, 1])
     await start(store, epochs, 46, timeout_ms=10, markers_partition=0)
