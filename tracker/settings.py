@@ -199,7 +199,9 @@ class TrackerSettings(BaseSettings):
         default_factory=dict,
         description=(
             "Extra aiokafka settings for the tracker's markers consumer only "
-            "(e.g. session_timeout_ms, heartbeat_interval_ms, fetch_max_bytes)."
+            "(e.g. session_timeout_ms, heartbeat_interval_ms, fetch_max_bytes). "
+            "fetch_max_wait_ms is 100 unless set here: the tracker acts on a deadline only "
+            "once a fetch response shows it has read every marker written before it."
         ),
     )
     markers_topic: str = Field("kmq-markers", description="The markers topic consumers write.")

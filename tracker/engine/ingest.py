@@ -37,6 +37,10 @@ from tracker.store.manager import PartitionProgress, PendingMarker
 
 log = logging.getLogger(__name__)
 
+#: High watermarks remembered per partition until we read past them (older ones are dropped:
+#: that only delays ``caught_up_ms``, never advances it too far).
+MAX_ENDS = 256
+
 #: Without a fetch response for this long, the broker counts as unreachable (readiness).
 BROKER_SILENCE_MS = 5_000
 
@@ -59,6 +63,9 @@ class _Partition:
     applied_next: int | None = None  #: offset recorded in the store by the last flush
     #: tracker-clock time at which we had read everything the broker had (None: not yet)
     caught_up_ms: int | None = None
+    #: (high watermark, wall-clock ms of the fetch response that reported it), oldest first:
+    #: the broker's end at moments we have not read up to yet
+    ends: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_ENDS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,19 +342,34 @@ class MarkerIngest:
         batch.state.seen_next = batch.records[-1].offset + 1
 
     async def _note_caught_up(self) -> None:
-        """Record, per partition, when we last had everything the broker had."""
+        """Record, per partition, when we last had read everything the broker had.
+
+        Each fetch response tells the partition's high watermark at the time of the response.
+        The consumer only remembers the newest, and with markers arriving continuously the
+        next response has usually come in (prefetched) before we read to the previous one's
+        end, so "position >= newest high watermark" held only now and then (the safe horizon
+        advanced in jumps of 0.3-0.5 s at 1k markers/s). Every end seen is remembered
+        instead, and the newest one we have read past sets ``caught_up_ms``: every marker the
+        broker had at that fetch has been read.
+        """
         now_ms = to_millis(self._clock.now())
         wall_ms = time.time() * 1000
         for partition, state in self._owned.items():
             tp = TopicPartition(self._topic, partition)
             highwater = self._consumer.highwater(tp)
-            if highwater is None:
+            fetched_at = self._consumer.last_poll_timestamp(tp)
+            if highwater is None or fetched_at is None:
                 continue
-            if await self._consumer.position(tp) >= highwater:
-                # The fetch that told us the high watermark: convert its wall-clock time to
-                # the tracker's clock (they differ only when a test injects a clock).
-                fetched_at = self._consumer.last_poll_timestamp(tp)
-                state.caught_up_ms = now_ms - max(0, int(wall_ms - fetched_at))
+            if not state.ends or state.ends[-1][1] != fetched_at:
+                state.ends.append((highwater, fetched_at))
+            position = await self._consumer.position(tp)
+            reached: float | None = None
+            while state.ends and state.ends[0][0] <= position:
+                reached = state.ends.popleft()[1]
+            if reached is not None:
+                # The fetch's wall-clock time on the tracker's clock (they differ only when
+                # a test injects a clock).
+                state.caught_up_ms = now_ms - max(0, int(wall_ms - reached))
         answering = self.broker_answering()
         if not answering and self.broker_ok:
             log.warning("no fetch response from the broker for %.0f s", BROKER_SILENCE_MS / 1000)

@@ -62,6 +62,15 @@ class Health:
         return self.running and self.store_ok and self.broker_ok
 
 
+#: The markers consumer's fetch settings unless ``kafka_consumer_config`` says otherwise. The
+#: tracker may only act on a deadline once it has read every marker written before it, and it
+#: learns how far the log went from fetch responses: a broker that answers a long poll only
+#: when ``fetch_max_wait_ms`` runs out (the test broker does, mid-wait data or not) would hold
+#: that knowledge back by up to the wait. 100 ms bounds it; an idle tracker then sends ten
+#: small fetch requests a second per broker, which no broker notices.
+MARKERS_FETCH: dict[str, Any] = {"fetch_max_wait_ms": 100}
+
+
 class Tracker:
     """One tracker replica."""
 
@@ -87,7 +96,7 @@ class Tracker:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             client_id=f"kmq-tracker-{settings.replica_id}",
-            **{**self._client_config, **settings.kafka_consumer_config},
+            **{**MARKERS_FETCH, **self._client_config, **settings.kafka_consumer_config},
         )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap, acks="all", linger_ms=2, **self._client_config
