@@ -144,10 +144,11 @@ def _plot_ingest(data: dict[str, Any], path: Path) -> None:
     labels: list[str] = []
     values: list[float] = []
     for name, entry in data.items():
-        labels.append(f"{name}\nraw read")
-        values.append(entry["raw_read_rate"])
+        if "raw_read_rate" in entry:  # (c) garbage is judged against (a), not a raw read
+            labels.append(f"{name}\nraw read")
+            values.append(entry["raw_read_rate"])
         for store, run in entry["stores"].items():
-            labels.append(f"{name}\n{store}")
+            labels.append(f"{name}\n{store}" + ("\n(valid)" if name == "garbage" else ""))
             values.append(run["rate"])
     ax.bar(labels, values, color=["grey" if "raw" in label else "C0" for label in labels])
     ax.set_yscale("log")

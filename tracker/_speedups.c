@@ -301,6 +301,68 @@ error:
     return NULL;
 }
 
+/* decode_many(values) -> (markers, errors): markers[i] is the Marker of values[i] or None;
+ * errors lists (i, message) for each refused value. A refused value costs no exception
+ * object: its message is taken as the error was set (with 50 % garbage on the markers
+ * topic, building and catching one MarkerError per refused record was a quarter of the
+ * ingest loop). */
+static PyObject *decode_many(PyObject *module, PyObject *values) {
+    PyObject *seq = PySequence_Fast(values, "decode_many() needs a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *markers = PyList_New(n);
+    PyObject *errors = PyList_New(0);
+    if (markers == NULL || errors == NULL) goto failed;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = items[i];
+        PyObject *marker;
+        if (PyByteArray_Check(item) || PyMemoryView_Check(item)) {
+            PyObject *copy = PyBytes_FromObject(item); /* as decode_marker does */
+            if (copy == NULL) goto failed;
+            marker = decode(module, copy);
+            Py_DECREF(copy);
+        } else {
+            marker = decode(module, item);
+        }
+        if (marker != NULL) {
+            PyList_SET_ITEM(markers, i, marker);
+            continue;
+        }
+        if (error_cls == NULL || !PyErr_ExceptionMatches(error_cls)) goto failed;
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyObject *message;
+        if (value != NULL && PyUnicode_Check(value)) {
+            message = value;
+            Py_INCREF(message);
+        } else if (value != NULL) {
+            message = PyObject_Str(value);
+        } else {
+            message = PyUnicode_FromString("malformed marker");
+        }
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        if (message == NULL) goto failed;
+        PyObject *pair = Py_BuildValue("(nN)", i, message); /* steals message */
+        if (pair == NULL) goto failed;
+        int appended = PyList_Append(errors, pair);
+        Py_DECREF(pair);
+        if (appended < 0) goto failed;
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(markers, i, Py_None);
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(NN)", markers, errors); /* steals both */
+
+failed:
+    Py_DECREF(seq);
+    Py_XDECREF(markers);
+    Py_XDECREF(errors);
+    return NULL;
+}
+
 static PyObject *configure(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *cls, *kinds_arg, *err;
@@ -322,6 +384,8 @@ static PyObject *configure(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_O, "Decode one v1 marker value (see tracker.protocol.decode_marker)."},
+    {"decode_many", decode_many, METH_O,
+     "decode_many(values) -> (markers, [(index, message), ...]) (see tracker.protocol.decode_batch)."},
     {"configure", configure, METH_VARARGS, "configure(marker_cls, kinds, error_cls)"},
     {NULL, NULL, 0, NULL},
 };

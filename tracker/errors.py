@@ -11,10 +11,17 @@ from __future__ import annotations
 class KmqError(Exception):
     """An error raised by kmq-tracker."""
 
+    #: the first line of the class docstring (computed once per class, not per error)
+    default_message: str = "An error raised by kmq-tracker."
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.default_message = (cls.__doc__ or cls.__name__).strip().splitlines()[0]
+
     def __init__(self, message: str | None = None) -> None:
-        doc = (self.__doc__ or type(self).__name__).strip().splitlines()[0]
-        super().__init__(message or doc)
-        self.message: str = message or doc
+        text = message or self.default_message
+        super().__init__(text)
+        self.message: str = text
 
 
 class MarkerError(KmqError, ValueError):

@@ -24,7 +24,7 @@ import enum
 import os
 import struct
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from tracker.errors import MarkerError
 from tracker.ids import MAX_TOPIC_LENGTH, MessageId, is_valid_topic
@@ -539,8 +539,8 @@ def py_decode_marker(value: bytes | bytearray | memoryview | None) -> Marker:  #
     return marker
 
 
-def _c_decoder() -> Callable[[bytes], Marker] | None:
-    """The C decoder, unless it was not built or ``KMQ_PURE_PYTHON`` is set."""
+def _c_decoder() -> Any:
+    """The C decoder module, unless it was not built or ``KMQ_PURE_PYTHON`` is set."""
     if os.environ.get("KMQ_PURE_PYTHON"):
         return None
     try:
@@ -548,11 +548,15 @@ def _c_decoder() -> Callable[[bytes], Marker] | None:
     except ImportError:
         return None
     _speedups.configure(Marker, _KINDS, MarkerError)
-    decode: Callable[[bytes], Marker] = _speedups.decode
-    return decode
+    return _speedups
 
 
-_c_decode = _c_decoder()
+_speedups_module = _c_decoder()
+_c_decode: Callable[[bytes], Marker] | None = (
+    None if _speedups_module is None else _speedups_module.decode
+)
+_c_decode_many: Callable[[list[bytes | None]], tuple[list[Marker | None], list[tuple[int, str]]]]
+_c_decode_many = None if _speedups_module is None else _speedups_module.decode_many  # type: ignore[assignment]
 #: Whether the C decoder is in use.
 SPEEDUPS = _c_decode is not None
 
@@ -570,23 +574,25 @@ class DecodedBatch(NamedTuple):
     """The result of decoding many marker values, aligned with the input.
 
     ``markers[i]`` is the marker decoded from the i-th value, or ``None`` when that value was
-    refused; ``errors`` lists ``(i, why)`` for each refused value, in input order.
+    refused; ``errors`` lists ``(i, why)`` for each refused value, in input order (``why`` is
+    the message :func:`decode_marker` would raise with).
     """
 
     markers: list[Marker | None]
-    errors: list[tuple[int, MarkerError]]
+    errors: list[tuple[int, str]]
 
 
 def decode_batch(values: Iterable[bytes | None]) -> DecodedBatch:
     """Decode many marker values; a malformed one is reported, never raised, never fatal."""
-    markers: list[Marker | None] = []
-    errors: list[tuple[int, MarkerError]] = []
-    append = markers.append
-    decode = _c_decode or py_decode_marker
+    if _c_decode_many is not None:
+        markers, errors = _c_decode_many(values if isinstance(values, list) else list(values))
+        return DecodedBatch(markers, errors)
+    out: list[Marker | None] = []
+    refused: list[tuple[int, str]] = []
     for value in values:
         try:
-            append(decode(value))  # type: ignore[arg-type]
+            out.append(py_decode_marker(value))
         except MarkerError as exc:
-            errors.append((len(markers), exc))
-            append(None)
-    return DecodedBatch(markers, errors)
+            refused.append((len(out), str(exc)))
+            out.append(None)
+    return DecodedBatch(out, refused)

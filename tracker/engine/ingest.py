@@ -280,7 +280,7 @@ class MarkerIngest:
             topics |= {m.origin_topic for m in decoded.markers if m is not None}
             await self._check.prepare(topics)
         rejected: list[Rejected] = [
-            Rejected(records[i], str(err), "malformed") for i, err in decoded.errors
+            Rejected(records[i], why, "malformed") for i, why in decoded.errors
         ]
         accepted: list[tuple[float, PendingMarker]] = []
         # A batch names few distinct topic/partitions: check each once, not once per marker.
@@ -305,7 +305,8 @@ class MarkerIngest:
                 continue
             # Durations count from the record's timestamp, but never from the future: a
             # writer whose clock runs ahead must not make us redeliver early.
-            ref_ms = min(record.timestamp, now_ms) if record.timestamp >= 0 else now_ms
+            ts = record.timestamp
+            ref_ms = now_ms if ts < 0 or ts > now_ms else ts
             accepted.append((arrived, PendingMarker(marker, ref_ms, partition, record.offset)))
         return _Sorted(partition, state, records, accepted, rejected)
 
