@@ -149,8 +149,8 @@ def markers_batch(
     markers: Iterable[Any] = decoded.markers
     errors: list[str | None] = [None] * size
     if decoded.errors:
-        for index, exc in decoded.errors:
-            errors[index] = str(exc)
+        for index, why in decoded.errors:
+            errors[index] = why
         markers = [m if m is not None else _NO_MARKER for m in decoded.markers]
     columns = list(zip(*markers, strict=True)) if size else [()] * 15
     (
