@@ -555,6 +555,19 @@ async def test_claim_due_takes_the_earliest_entries_across_partitions(store: Sto
     assert [e.key for e in claimed] == [key(200), key(208), key(205), key(207), key(202)]
 
 
+async def test_claim_due_merges_many_partitions(store: Store) -> None:
+    """A replica owning more markers partitions than one claim query takes (SQLite allows 500
+    terms in a compound SELECT): still the earliest entries of all of them."""
+    partitions = list(range(130))
+    epochs = await claim(store, partitions)
+    for p in partitions:  # the later the partition, the earlier its entry is due
+        await start(store, epochs, 1_000 + p, timeout_ms=10_000 - 10 * p, markers_partition=p)
+    claimed, _ = await claim_due(store, epochs, T0 + 20_000, "many", limit=5)
+    assert [e.markers_partition for e in claimed] == [129, 128, 127, 126, 125]
+    claimed, _ = await claim_due(store, epochs, T0 + 20_000, "rest", limit=1_000)
+    assert len(claimed) == 125
+
+
 async def test_claim_due_skips_fenced_partitions(store: Store) -> None:
     epochs = await claim(store, [0, 1])
     await start(store, epochs, 46, timeout_ms=10, markers_partition=0)

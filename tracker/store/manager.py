@@ -259,6 +259,8 @@ def _entry_from_values(row: Sequence[Any], claimed_by: str | None = None) -> Ent
 
 
 _STATES = {state.value: state for state in State}
+#: Markers partitions per claim query (a UNION ALL of one index range each).
+_DUE_QUERY_PARTITIONS = 100
 
 
 @functools.cache
@@ -574,11 +576,18 @@ class Store:
             searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
             if not searched:
                 return [], fenced
-            params: dict[str, Any] = {"limit": limit}
-            for i, (p, t) in enumerate(sorted(searched.items())):
-                params[f"p{i}"], params[f"t{i}"] = p, t
-            rows = await conn.execute(_due_query(len(searched)), params)
-            entries = [_entry_from_values(row, token) for row in rows]
+            entries: list[Entry] = []
+            # SQLite allows 500 terms in a compound SELECT: a few queries for a replica
+            # owning hundreds of markers partitions, merged here.
+            for group in _chunks(sorted(searched.items()), _DUE_QUERY_PARTITIONS):
+                params: dict[str, Any] = {"limit": limit}
+                for i, (p, t) in enumerate(group):
+                    params[f"p{i}"], params[f"t{i}"] = p, t
+                rows = await conn.execute(_due_query(len(group)), params)
+                entries += [_entry_from_values(row, token) for row in rows]
+            if len(searched) > _DUE_QUERY_PARTITIONS:
+                entries.sort(key=lambda e: (e.due_at_ms, e.key))
+                del entries[limit:]
             keys = [e.key for e in entries]
             for chunk in _chunks(keys, _KEY_CHUNK):
                 await conn.execute(
