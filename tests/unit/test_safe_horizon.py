@@ -50,7 +50,12 @@ class FakeConsumer:
         return self.positions.get(tp.partition, 0)
 
 
-def ingest_over(consumer: Any, clock: ManualClock, partitions: list[int]) -> MarkerIngest:
+def ingest_over(
+    consumer: Any,
+    clock: ManualClock,
+    partitions: list[int],
+    on_caught_up: Any = None,
+) -> MarkerIngest:
     ingest = MarkerIngest(
         consumer=consumer,
         store=None,  # type: ignore[arg-type]  # not reached: no flush here
@@ -64,6 +69,7 @@ def ingest_over(consumer: Any, clock: ManualClock, partitions: list[int]) -> Mar
         ack_grace_ms=GRACE_MS,
         max_records=100,
         max_pending=1000,
+        on_caught_up=on_caught_up,
     )
     for p in partitions:
         ingest._owned[p] = _Partition(epoch=1, applied_next=0)
@@ -80,13 +86,15 @@ async def test_the_horizon_follows_every_response_read_past_not_only_the_newest(
     clock: ManualClock,
 ) -> None:
     state = FakeConsumer()
-    ingest = ingest_over(state, clock, [0])
+    told: list[int] = []  # what the redelivery loop is told (it wakes if something is due)
+    ingest = ingest_over(state, clock, [0], on_caught_up=told.append)
     now = to_millis(clock.now())
 
     state.respond(0, highwater=10, ago_ms=300)
     state.positions[0] = 4  # still reading that response's records
     await ingest._note_caught_up()
     assert ingest.safe_until() == {}, "nothing read to a watermark yet: nothing may be acted on"
+    assert told == []
 
     # The next response came in (prefetched) before we read to 10; now we have.
     state.respond(0, highwater=25, ago_ms=200)
@@ -94,6 +102,7 @@ async def test_the_horizon_follows_every_response_read_past_not_only_the_newest(
     await ingest._note_caught_up()
     safe = ingest.safe_until()[0]
     assert abs(safe - (now - 300 - GRACE_MS)) <= 20, safe - now
+    assert told == [safe]
 
     # And again: one more response in, we read to 25.
     state.respond(0, highwater=31, ago_ms=100)
@@ -107,6 +116,11 @@ async def test_the_horizon_follows_every_response_read_past_not_only_the_newest(
     await ingest._note_caught_up()
     safe = ingest.safe_until()[0]
     assert abs(safe - (now - 100 - GRACE_MS)) <= 20, safe - now
+    assert told[-1] == safe
+    assert len(told) == 3
+
+    await ingest._note_caught_up()  # no new response: nothing new to tell
+    assert len(told) == 3
 
 
 async def test_the_horizon_never_passes_what_was_read(clock: ManualClock) -> None:

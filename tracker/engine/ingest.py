@@ -100,6 +100,7 @@ class MarkerIngest:
         check_marker: MarkerCheck | None = None,
         on_due: Callable[[int], None] | None = None,
         on_ownership: Callable[[], None] | None = None,
+        on_caught_up: Callable[[int], None] | None = None,
     ) -> None:
         self._consumer = consumer
         self._store = store
@@ -117,6 +118,7 @@ class MarkerIngest:
         self._check = check_marker
         self._on_due = on_due or (lambda _due: None)
         self._on_ownership = on_ownership or (lambda: None)
+        self._on_caught_up = on_caught_up or (lambda _safe: None)
         self._owned: dict[int, _Partition] = {}
         self._unclaimed: set[int] = set()  #: assigned, but the store could not be reached
         self._lock = asyncio.Lock()  #: serializes flushes with rebalance callbacks
@@ -355,6 +357,7 @@ class MarkerIngest:
         """
         now_ms = to_millis(self._clock.now())
         wall_ms = time.time() * 1000
+        advanced: int | None = None
         for partition, state in self._owned.items():
             tp = TopicPartition(self._topic, partition)
             highwater = self._consumer.highwater(tp)
@@ -370,7 +373,12 @@ class MarkerIngest:
             if reached is not None:
                 # The fetch's wall-clock time on the tracker's clock (they differ only when
                 # a test injects a clock).
-                state.caught_up_ms = now_ms - max(0, int(wall_ms - reached))
+                caught_up = now_ms - max(0, int(wall_ms - reached))
+                if state.caught_up_ms is None or caught_up > state.caught_up_ms:
+                    state.caught_up_ms = caught_up
+                    advanced = caught_up if advanced is None else max(advanced, caught_up)
+        if advanced is not None:
+            self._on_caught_up(advanced - self._grace_ms)  # what safe_until now allows
         answering = self.broker_answering()
         if not answering and self.broker_ok:
             log.warning("no fetch response from the broker for %.0f s", BROKER_SILENCE_MS / 1000)

@@ -120,6 +120,7 @@ class Tracker:
             check_marker=self.catalog,
             on_due=self._due,
             on_ownership=self._ownership_changed,
+            on_caught_up=self._caught_up,
         )
         self.redeliverer = Redeliverer(
             store=self.store,
@@ -169,6 +170,9 @@ class Tracker:
     def _due(self, due_ms: int) -> None:
         self.redeliverer.notify_due(due_ms)
         self.payloads.notify()
+
+    def _caught_up(self, safe_ms: int) -> None:
+        self.redeliverer.notify_safe(safe_ms)
 
     def _ownership_changed(self) -> None:
         self.redeliverer.notify_ownership()

@@ -108,6 +108,15 @@ class Redeliverer:
         if self._target_ms is None or due_ms < self._target_ms:
             self._wake.set()
 
+    def notify_safe(self, safe_ms: int) -> None:
+        """Ingest read further: entries due up to ``safe_ms`` may be actionable now.
+
+        Wakes the loop if it is waiting for an entry due by then, rather than letting it find
+        out at its next recheck (``NOT_READY_RECHECK``).
+        """
+        if self._target_ms is not None and self._target_ms <= safe_ms:
+            self._wake.set()
+
     def notify_ownership(self) -> None:
         self._wake.set()
 
