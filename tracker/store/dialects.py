@@ -145,16 +145,16 @@ def upsert_sql(
     unacked profile); :func:`upsert_rows` hands the driver one prepared statement and plain
     tuples instead (``executemany``: sqlite3's loop in C, asyncpg's pipelined binds).
     """
-    return _upsert_sql(dialect.name, dialect, table, tuple(columns), tuple(update))
+    return _upsert_sql(dialect, table, tuple(columns), tuple(update))
 
 
 @functools.lru_cache(maxsize=16)
 def _upsert_sql(
-    name: str, dialect: Dialect, table: Table, columns: tuple[str, ...], update: tuple[str, ...]
+    dialect: Dialect, table: Table, columns: tuple[str, ...], update: tuple[str, ...]
 ) -> str:
     keys = [c.name for c in table.primary_key.columns]
     values: dict[str, Any] = {c: bindparam(c) for c in columns}
-    if name == "sqlite":
+    if dialect.name == "sqlite":
         sqlite_stmt = sqlite_insert(table).values(values)
         stmt: Insert = sqlite_stmt.on_conflict_do_update(
             index_elements=keys, set_={c: sqlite_stmt.excluded[c] for c in update}
