@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from aiokafka import AIOKafkaProducer
 from sqlalchemy import delete
+from support.counts import assert_counters_match
 
 from api.app import create_app
 from api.context import ApiContext
@@ -105,6 +106,7 @@ async def api_env(
         finally:
             for client in (env.client, env.anonymous, *env.extra):
                 await client.aclose()
+        await assert_counters_match(context.store.engine)
     finally:
         await context.close()
 

@@ -21,11 +21,13 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import DefaultClause
 from sqlalchemy.sql.elements import TextClause
+from support.counts import counters_and_recount
 from support.databases import PostgresTestDatabase, PostgresUnavailableError
 from support.databases import sqlite_url as make_sqlite_url
 
 from tracker.store.dialects import create_engine
 from tracker.store.errors import SchemaOutdated
+from tracker.store.manager import dead_letters, tracked
 from tracker.store.migrate import (
     alembic_config,
     check_schema,
@@ -176,3 +178,71 @@ async def test_downgrade_to_base_then_upgrade_again(engine: AsyncEngine) -> None
     assert await current_revision(engine) == head_revision()
     await check_schema(engine)
     assert await schema_snapshot(engine) == first
+
+
+async def test_upgrade_to_0003_counts_the_rows_already_there(engine: AsyncEngine) -> None:
+    """A store upgraded with entries and dead letters in it starts with correct counters,
+    and the triggers keep them from then on."""
+    await upgrade(engine, "0002")
+    row = {
+        "group_id": "g",
+        "origin_partition": 0,
+        "attempt": 1,
+        "copy_topic": "orders",
+        "copy_partition": 0,
+        "copy_offset": 0,
+        "due_at_ms": 1,
+        "first_seen_ms": 1,
+        "updated_ms": 1,
+    }
+    entries = [
+        {**row, "origin_topic": topic, "origin_offset": i, "markers_partition": p, "state": s}
+        for i, (topic, p, s) in enumerate(
+            [
+                ("orders", 0, "in_flight"),
+                ("orders", 0, "in_flight"),
+                ("orders", 1, "delayed"),
+                ("audit", 2, "lost"),
+            ]
+        )
+    ]
+    letter = {
+        "group_id": "g",
+        "origin_partition": 0,
+        "origin_offset": 0,
+        "source_topic": "orders",
+        "source_partition": 0,
+        "source_offset": 0,
+        "dlq_topic": "orders.dlq",
+        "dlq_partition": 0,
+        "dlq_offset": 0,
+        "reason": "r",
+        "attempts": 3,
+        "first_seen_ms": 1,
+        "dead_lettered_ms": 2,
+    }
+    letters = [
+        {**letter, "origin_topic": "orders", "redriven_ms": None},
+        {**letter, "origin_topic": "orders", "redriven_ms": 5},
+    ]
+    async with engine.begin() as conn:
+        await conn.execute(tracked.insert(), entries)
+        await conn.execute(dead_letters.insert(), letters)
+    await upgrade(engine)
+
+    kept, recount = await counters_and_recount(engine)
+    assert kept == recount
+    assert kept == (
+        {(0, "orders", "in_flight"): 2, (1, "orders", "delayed"): 1, (2, "audit", "lost"): 1},
+        {"orders": (2, 1)},
+    )
+    async with engine.begin() as conn:
+        await conn.execute(tracked.delete().where(tracked.c.origin_offset == 0))
+        await conn.execute(tracked.update().values(state="lost"))
+        await conn.execute(dead_letters.update().values(redriven_ms=9))
+    kept, recount = await counters_and_recount(engine)
+    assert kept == recount
+    assert kept == (
+        {(0, "orders", "lost"): 1, (1, "orders", "lost"): 1, (2, "audit", "lost"): 1},
+        {"orders": (2, 0)},
+    )

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import delete, select
+from support.counts import assert_counters_match, counters_and_recount
 from support.databases import sqlite_url
 
 from tracker.engine.entries import Entry, EntryKey, ResolvedPolicy, State
@@ -89,6 +90,7 @@ async def store(database_url: str) -> AsyncIterator[Store]:
         await upgrade(store.engine)
         await _reset(store)
         yield store
+        await assert_counters_match(store.engine)
     finally:
         await store.close()
 
@@ -872,3 +874,84 @@ async def test_sqlite_key_lookups_search_the_primary_key(tmp_path: Path) -> None
             )
     finally:
         await store.close()
+
+
+# -- topic counters (migration 0003) -------------------------------------------------------
+
+
+async def test_topic_counts_follow_ingest_claims_and_rounds(store: Store) -> None:
+    admin = AdminStore(store, MARKERS)
+    epochs = await claim(store, [0, 1])
+    for offset in (1, 2, 3, 4):
+        await start(store, epochs, offset, ref_ms=T0 + offset, timeout_ms=60_000)
+    await start(store, epochs, 9, topic="audit", markers_partition=1, timeout_ms=10)
+    await apply(
+        store,
+        epochs,
+        [
+            pending(Marker.delay(GROUP, msg(2), delay_ms=5_000), T0 + 10, 10),
+            pending(Marker.delay(GROUP, msg(3), delay_ms=2_000), T0 + 10, 11),
+            pending(Marker.reject(GROUP, msg(4), reason="bad"), T0 + 10, 12),
+            pending(Marker.ack(GROUP, msg(1)), T0 + 10, 13),
+        ],
+    )
+    counts = await admin.topic_counts(since_ms=T0)
+    assert set(counts) == {TOPIC, "audit"}
+    orders = counts[TOPIC]
+    assert (orders.in_flight, orders.delayed, orders.rejected, orders.lost) == (0, 2, 1, 0)
+    assert orders.oldest_in_flight_first_seen_ms is None
+    assert orders.next_delayed_due_ms == T0 + 10 + 2_000
+    audit = counts["audit"]
+    assert (audit.in_flight, audit.oldest_in_flight_first_seen_ms) == (1, T0)
+
+    # A round: the rejected entry is dead-lettered, the audit entry's original is lost.
+    claimed, _ = await claim_due(store, epochs, T0 + 1_000, "tok")
+    by_key = {e.key: e for e in claimed}
+    assert set(by_key) == {key(4), key(9, "audit")}
+    await store.finish_redelivery(
+        "tok",
+        markers_topic=MARKERS,
+        partitions=[0, 1],
+        done=[],
+        dead=[
+            DeadLetterRecord(
+                entry=by_key[key(4)],
+                dlq_topic="orders.dlq",
+                dlq_partition=0,
+                dlq_offset=0,
+                reason="rejected",
+                dead_lettered_ms=T0 + 1_000,
+                message_key=None,
+            )
+        ],
+        lost=[(key(9, "audit"), "gone")],
+        retry=[],
+        now_ms=T0 + 1_000,
+    )
+    counts = await admin.topic_counts(since_ms=T0 + 500)
+    orders, audit = counts[TOPIC], counts["audit"]
+    assert (orders.delayed, orders.rejected, orders.dead_lettered) == (2, 0, 1)
+    assert (orders.dead_letters_waiting, orders.dead_lettered_recently) == (1, 1)
+    assert (audit.in_flight, audit.lost) == (0, 1)
+    assert (await admin.topic_counts(since_ms=T0 + 2_000))[TOPIC].dead_lettered_recently == 0
+    # One topic asked for: only its figures.
+    assert set(await admin.topic_counts(since_ms=T0, topic="audit")) == {"audit"}
+
+    kept, recount = await counters_and_recount(store.engine)
+    assert kept == recount
+    assert kept[0] == {(0, TOPIC, "delayed"): 2, (1, "audit", "lost"): 1}
+
+
+async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store: Store) -> None:
+    """The next-due probe walks the due index past other topics' delayed entries."""
+    admin = AdminStore(store, MARKERS)
+    epochs = await claim(store)
+    markers = [
+        pending(Marker.delay(GROUP, msg(i, "busy"), delay_ms=1_000 + i), T0, i)
+        for i in range(300)
+    ]
+    markers.append(pending(Marker.delay(GROUP, msg(7, "quiet"), delay_ms=9_000), T0, 300))
+    await apply(store, epochs, markers)
+    counts = await admin.topic_counts(since_ms=T0)
+    assert (counts["busy"].delayed, counts["busy"].next_delayed_due_ms) == (300, T0 + 1_000)
+    assert (counts["quiet"].delayed, counts["quiet"].next_delayed_due_ms) == (1, T0 + 9_000)

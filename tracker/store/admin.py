@@ -39,7 +39,6 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
-    case,
     delete,
     func,
     literal,
@@ -58,11 +57,14 @@ from .manager import (
     KEY_COLUMNS,
     Store,
     StoredPayload,
+    chunks,
+    dead_letter_counts,
     dead_letters,
     decode_headers,
     entry_from_row,
     partitions_table,
     tracked,
+    tracked_counts,
 )
 from .models import EntryAction, RedriveItem, RedriveJob
 
@@ -353,6 +355,45 @@ class TopicCounts:
     dead_lettered: int = 0  #: dead letters recorded, redriven or not
     dead_letters_waiting: int = 0  #: dead letters not redriven
     dead_lettered_recently: int = 0  #: dead-lettered since the ``since_ms`` asked for
+
+
+#: Scalar subqueries per statement in :meth:`AdminStore.topic_counts` (SQLite's default
+#: limit on a SELECT's columns is 2,000).
+_PROBES_PER_QUERY = 100
+
+
+def _probes(counts: TopicCounts, since_ms: int) -> list[tuple[TopicCounts, str, Any]]:
+    """The figures of a topic that counters cannot keep: (counts, attribute, scalar query)."""
+    t, d = tracked.c, dead_letters.c
+    probes: list[tuple[TopicCounts, str, Any]] = []
+    if counts.in_flight:
+        # One probe of ix_tracked_topic_state (origin_topic, state, first_seen_ms).
+        oldest = select(func.min(t.first_seen_ms)).where(
+            t.origin_topic == counts.topic, t.state == State.IN_FLIGHT.value
+        )
+        probes.append((counts, "oldest_in_flight_first_seen_ms", oldest))
+    if counts.delayed:
+        # Walks ix_tracked_state_due (state, due_at_ms) to the topic's first delayed entry:
+        # cheap however many delayed entries the topic has. ``|| ''`` keeps the planners
+        # from choosing the topic index instead, which would read all of them and sort.
+        next_due = (
+            select(t.due_at_ms)
+            .where(
+                t.state == State.DELAYED.value,
+                t.due_at_ms.is_not(None),
+                t.origin_topic.concat("") == counts.topic,
+            )
+            .order_by(t.due_at_ms)
+            .limit(1)
+        )
+        probes.append((counts, "next_delayed_due_ms", next_due))
+    if counts.dead_lettered:
+        # A range of ix_dead_letters_topic_time: as long as the recent dead letters.
+        recent = select(func.count()).where(
+            d.origin_topic == counts.topic, d.dead_lettered_ms >= since_ms
+        )
+        probes.append((counts, "dead_lettered_recently", recent))
+    return probes
 
 
 # -- dead letters -------------------------------------------------------------------------------
@@ -788,45 +829,43 @@ class AdminStore:
     ) -> dict[str, TopicCounts]:
         """Per origin topic: entries by state, oldest ages, dead letters (recent and waiting).
 
-        Two aggregate queries (over the ``origin_topic, state`` and dead-letter indexes).
+        The counts come from the counters the database keeps (migration 0003), a few rows
+        whatever the table's size; then, per topic, one index probe each for the oldest
+        in-flight message, the next delayed one and the recent dead letters.
         """
-        t = tracked.c
-        entries = select(
-            t.origin_topic,
-            t.state,
-            func.count(),
-            func.min(t.first_seen_ms),
-            func.min(t.due_at_ms),
-        ).group_by(t.origin_topic, t.state)
-        d = dead_letters.c
-        dead = select(
-            d.origin_topic,
-            func.count(),
-            func.coalesce(func.sum(case((d.redriven_ms.is_(None), 1), else_=0)), 0),
-            func.coalesce(func.sum(case((d.dead_lettered_ms >= since_ms, 1), else_=0)), 0),
-        ).group_by(d.origin_topic)
+        c = tracked_counts.c
+        entries = select(c.origin_topic, c.state, func.sum(c.entries)).group_by(
+            c.origin_topic, c.state
+        )
+        dc = dead_letter_counts.c
+        dead = select(dc.origin_topic, dc.total, dc.waiting)
         if topic is not None:
-            entries = entries.where(t.origin_topic == topic)
-            dead = dead.where(d.origin_topic == topic)
+            entries = entries.where(c.origin_topic == topic)
+            dead = dead.where(dc.origin_topic == topic)
         out: dict[str, TopicCounts] = {}
         async with self._transaction(read_only=True) as conn:
-            for name, state, count, first_seen, due in await conn.execute(entries):
+            for name, state, count in await conn.execute(entries):
+                if not count:
+                    continue
                 counts = out.setdefault(name, TopicCounts(name))
                 if state == State.IN_FLIGHT.value:
                     counts.in_flight = int(count)
-                    counts.oldest_in_flight_first_seen_ms = first_seen
                 elif state == State.DELAYED.value:
                     counts.delayed = int(count)
-                    counts.next_delayed_due_ms = due
                 elif state == State.REJECTED.value:
                     counts.rejected = int(count)
                 elif state == State.LOST.value:
                     counts.lost = int(count)
-            for name, total, waiting, recent in await conn.execute(dead):
-                counts = out.setdefault(name, TopicCounts(name))
-                counts.dead_lettered = int(total)
-                counts.dead_letters_waiting = int(waiting)
-                counts.dead_lettered_recently = int(recent)
+            for name, total, waiting in await conn.execute(dead):
+                if total:
+                    counts = out.setdefault(name, TopicCounts(name))
+                    counts.dead_lettered, counts.dead_letters_waiting = int(total), int(waiting)
+            probes = [probe for counts in out.values() for probe in _probes(counts, since_ms)]
+            for chunk in chunks(probes, _PROBES_PER_QUERY):
+                queries = (query.scalar_subquery() for _, _, query in chunk)
+                found = (await conn.execute(select(*queries))).one()
+                for (counts, attribute, _), value in zip(chunk, found, strict=True):
+                    setattr(counts, attribute, value)
         return out
 
     # -- dead letters -----------------------------------------------------------------------

@@ -54,11 +54,13 @@ from .dialects import (
     upsert_rows,
 )
 from .errors import Fenced, StoreUnavailable
-from .models import DeadLetter, MarkersPartition, TrackedMessage
+from .models import DeadLetter, DeadLetterCount, MarkersPartition, TrackedCount, TrackedMessage
 
 tracked: Table = TrackedMessage.__table__  # type: ignore[assignment]
 partitions_table: Table = MarkersPartition.__table__  # type: ignore[assignment]
 dead_letters: Table = DeadLetter.__table__  # type: ignore[assignment]
+tracked_counts: Table = TrackedCount.__table__  # type: ignore[assignment]
+dead_letter_counts: Table = DeadLetterCount.__table__  # type: ignore[assignment]
 
 #: The columns of an entry's key, in key order.
 KEY_COLUMNS = (
@@ -89,19 +91,6 @@ _ENTRY_COLUMNS = (
 )
 _UPDATE_COLUMNS = _ENTRY_COLUMNS[4:]
 _KEY_CHUNK = 500
-_KEY_NAMES = ("k_group", "k_topic", "k_partition", "k_offset")
-
-
-def _by_key() -> Any:
-    """``pk columns = :k_*`` for executemany statements keyed by entry."""
-    return and_(*(c == bindparam(n) for c, n in zip(KEY_COLUMNS, _KEY_NAMES, strict=True)))
-
-
-def _key_params(key: tuple[str, str, int, int]) -> dict[str, Any]:
-    return dict(zip(_KEY_NAMES, key, strict=True))
-
-
-_DELETE_BY_KEY = delete(tracked).where(_by_key())
 _ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of _ENTRY_COLUMNS
 _T = TypeVar("_T")
 
@@ -319,7 +308,8 @@ def _row_from_entry(entry: Entry) -> tuple[Any, ...]:
     )
 
 
-def _chunks(items: Sequence[_T], size: int) -> Iterable[Sequence[_T]]:
+def chunks(items: Sequence[_T], size: int) -> Iterable[Sequence[_T]]:
+    """``items`` in consecutive slices of at most ``size``."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
 
@@ -339,6 +329,11 @@ class Store:
     @property
     def is_sqlite(self) -> bool:
         return is_sqlite(self.engine)
+
+    @property
+    def _key_chunk(self) -> int:
+        """Keys per :func:`keys_in` statement (PostgreSQL takes them as arrays: more)."""
+        return _KEY_CHUNK if self.is_sqlite else 10 * _KEY_CHUNK
 
     async def close(self) -> None:
         await self.engine.dispose()
@@ -458,8 +453,7 @@ class Store:
     async def _load(self, conn: AsyncConnection, keys: Sequence[EntryKey]) -> dict[EntryKey, Entry]:
         found: dict[EntryKey, Entry] = {}
         columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
-        chunk_size = _KEY_CHUNK if self.is_sqlite else 10 * _KEY_CHUNK
-        for chunk in _chunks(keys, chunk_size):
+        for chunk in chunks(keys, self._key_chunk):
             rows = await conn.execute(
                 select(*columns).where(keys_in(self.engine, KEY_COLUMNS, chunk))
             )
@@ -527,8 +521,10 @@ class Store:
             if upserts:
                 upserts.sort(key=_ROW_KEY)
                 await upsert_rows(conn, tracked, _ENTRY_COLUMNS, _UPDATE_COLUMNS, upserts)
-            if deletes:
-                await conn.execute(_DELETE_BY_KEY, [_key_params(k) for k in sorted(deletes)])
+            # Many keys per statement, not one statement per key: on PostgreSQL the counters'
+            # statement-level triggers (migration 0003) run once per statement.
+            for chunk in chunks(sorted(deletes), self._key_chunk):
+                await conn.execute(delete(tracked).where(keys_in(self.engine, KEY_COLUMNS, chunk)))
             result.upserted, result.deleted = len(upserts), len(deletes)
         return result
 
@@ -579,7 +575,7 @@ class Store:
             entries: list[Entry] = []
             # SQLite allows 500 terms in a compound SELECT: a few queries for a replica
             # owning hundreds of markers partitions, merged here.
-            for group in _chunks(sorted(searched.items()), _DUE_QUERY_PARTITIONS):
+            for group in chunks(sorted(searched.items()), _DUE_QUERY_PARTITIONS):
                 params: dict[str, Any] = {"limit": limit}
                 for i, (p, t) in enumerate(group):
                     params[f"p{i}"], params[f"t{i}"] = p, t
@@ -589,7 +585,7 @@ class Store:
                 entries.sort(key=lambda e: (e.due_at_ms, e.key))
                 del entries[limit:]
             keys = [e.key for e in entries]
-            for chunk in _chunks(keys, _KEY_CHUNK):
+            for chunk in chunks(keys, _KEY_CHUNK):
                 await conn.execute(
                     update(tracked)
                     .values(claim_token=token, due_at_ms=now_ms + lease_ms)
@@ -631,7 +627,7 @@ class Store:
                 partitions_table.c.partition,
             )
             finished = sorted([*done, *(d.entry.key for d in dead)])
-            for chunk in _chunks(finished, _KEY_CHUNK):
+            for chunk in chunks(finished, _KEY_CHUNK):
                 await conn.execute(
                     delete(tracked).where(
                         keys_in(self.engine, KEY_COLUMNS, chunk), tracked.c.claim_token == token
@@ -660,7 +656,7 @@ class Store:
                     }
                     for d in dead
                 ]
-                for row_chunk in _chunks(rows, max_bind_rows(self.engine, 17)):
+                for row_chunk in chunks(rows, max_bind_rows(self.engine, 17)):
                     await conn.execute(dead_letters.insert().values(list(row_chunk)))
             for key, reason in sorted(lost):
                 await conn.execute(
@@ -734,7 +730,7 @@ class Store:
     async def load_payloads(self, keys: Sequence[EntryKey]) -> dict[EntryKey, StoredPayload]:
         found: dict[EntryKey, StoredPayload] = {}
         async with self.transaction() as conn:
-            for chunk in _chunks(keys, _KEY_CHUNK):
+            for chunk in chunks(keys, _KEY_CHUNK):
                 rows = await conn.execute(
                     select(
                         *KEY_COLUMNS,

@@ -67,8 +67,40 @@ class TrackedMessage(Base):
         Index("ix_tracked_partition_due", "markers_partition", "due_at_ms"),
         # The admin API: filter by state, order by due time.
         Index("ix_tracked_state_due", "state", "due_at_ms"),
-        Index("ix_tracked_topic_state", "origin_topic", "state"),
+        # Topic statistics: the oldest in-flight message of a topic is one probe (0003).
+        Index("ix_tracked_topic_state", "origin_topic", "state", "first_seen_ms"),
     )
+
+
+# -- counters kept by triggers (migration 0003) ----------------------------------------------
+
+
+class TrackedCount(Base):
+    """How many tracked entries there are per markers partition, origin topic and state.
+
+    Written only by database triggers on ``tracked_messages`` (migration 0003), in the same
+    transaction as the rows they count: the topic statistics read these few rows instead of
+    counting a table of millions. Keyed by markers partition because every writer of an entry
+    holds that partition's row lock already, so replicas never wait on each other's counters.
+    Rows that reach zero stay.
+    """
+
+    __tablename__ = "tracked_counts"
+
+    markers_partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), primary_key=True)
+    entries: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class DeadLetterCount(Base):
+    """Dead letters per origin topic, and how many are not redriven yet (triggers, 0003)."""
+
+    __tablename__ = "dead_letter_counts"
+
+    origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    total: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    waiting: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
 
 class MarkersPartition(Base):
