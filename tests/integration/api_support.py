@@ -23,7 +23,8 @@ from api.context import ApiContext
 from tracker.engine.entries import Entry, State
 from tracker.settings import TrackerSettings
 from tracker.store.admin import actions_table, items_table, jobs_table
-from tracker.store.manager import dead_letters, partitions_table, tracked
+from tracker.store.counts import CountChanges
+from tracker.store.manager import dead_letters, partitions_table, tracked, tracked_counts
 
 from .engine_support import tracker_settings
 
@@ -52,6 +53,7 @@ async def reset_tables(context: ApiContext) -> None:
             jobs_table,
             actions_table,
             tracked,
+            tracked_counts,
             partitions_table,
             dead_letters,
         ):
@@ -173,8 +175,12 @@ async def insert_entries(context: ApiContext, entries: Sequence[Entry]) -> None:
         }
         row["state"] = e.state.value
         rows.append(row)
+    counts = CountChanges()
+    for e in entries:
+        counts.change(None, e)
     async with context.store.engine.begin() as conn:
         await conn.execute(tracked.insert(), rows)
+        await counts.write(conn, context.store.engine, tracked_counts)
 
 
 async def insert_dead_letters(context: ApiContext, rows: Sequence[dict[str, Any]]) -> list[int]:

@@ -23,7 +23,8 @@ from tracker.engine.entries import State
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
 from tracker.protocol import Marker
-from tracker.store.manager import partitions_table, tracked
+from tracker.store.counts import CountChanges
+from tracker.store.manager import partitions_table, tracked, tracked_counts
 
 from .api_support import (
     READ_TOKEN,
@@ -482,6 +483,10 @@ async def test_an_action_waits_for_a_marker_flush_of_its_partition(env: ApiEnv) 
                 .where(tracked.c.origin_offset == 1)
                 .values(state=State.DELAYED.value)
             )
+            counts = CountChanges()  # as the store's flush counts it
+            counts.add((2, "orders", State.IN_FLIGHT.value), -1)
+            counts.add((2, "orders", State.DELAYED.value), 1)
+            await counts.write(conn, other, tracked_counts)
             flush_started.set()
             await release.wait()
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from support.counts import assert_counters_match
 
 from tracker import headers as h
 from tracker.client import KmqMessage, KmqProducer
@@ -23,6 +24,7 @@ from tracker.engine.entries import State
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import Marker, MarkerKind, decode_marker
+from tracker.store.dialects import create_engine
 
 from .engine_support import Seen, TopicWatcher, consumer, eventually, tracker_settings
 
@@ -51,6 +53,12 @@ async def running_tracker(env: dict[str, str], **overrides: Any) -> AsyncIterato
     settings = tracker_settings(env["bootstrap"], env["database_url"], env["markers"], **overrides)
     async with Tracker(settings) as tracker:
         yield tracker
+    # Stopped: whatever the engine wrote, the entry counters match the entries.
+    engine = create_engine(env["database_url"])
+    try:
+        await assert_counters_match(engine)
+    finally:
+        await engine.dispose()
 
 
 class Worker:

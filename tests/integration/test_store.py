@@ -36,6 +36,7 @@ from tracker.store.manager import (
     dead_letters,
     partitions_table,
     tracked,
+    tracked_counts,
 )
 from tracker.store.migrate import upgrade
 
@@ -79,7 +80,7 @@ def pending(marker: Marker, ref_ms: int, offset: int, markers_partition: int = 0
 
 async def _reset(store: Store) -> None:
     async with store.engine.begin() as conn:
-        for table in (tracked, partitions_table, dead_letters):
+        for table in (tracked, tracked_counts, partitions_table, dead_letters):
             await conn.execute(delete(table))
 
 
@@ -947,11 +948,36 @@ async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store:
     admin = AdminStore(store, MARKERS)
     epochs = await claim(store)
     markers = [
-        pending(Marker.delay(GROUP, msg(i, "busy"), delay_ms=1_000 + i), T0, i)
-        for i in range(300)
+        pending(Marker.delay(GROUP, msg(i, "busy"), delay_ms=1_000 + i), T0, i) for i in range(300)
     ]
     markers.append(pending(Marker.delay(GROUP, msg(7, "quiet"), delay_ms=9_000), T0, 300))
     await apply(store, epochs, markers)
     counts = await admin.topic_counts(since_ms=T0)
     assert (counts["busy"].delayed, counts["busy"].next_delayed_due_ms) == (300, T0 + 1_000)
     assert (counts["quiet"].delayed, counts["quiet"].next_delayed_due_ms) == (1, T0 + 9_000)
+
+
+async def test_taking_partitions_over_recounts_their_counters(store: Store) -> None:
+    """Counters a writer did not keep (an older version, a manual edit) are exact again once
+    a replica takes the partition over."""
+    epochs = await claim(store, [0, 1])
+    for offset in (1, 2):
+        await start(store, epochs, offset)
+    await start(store, epochs, 3, topic="audit", markers_partition=1)
+    async with store.engine.begin() as conn:
+        await conn.execute(delete(tracked_counts))
+        await conn.execute(
+            tracked_counts.insert().values(
+                markers_partition=0, origin_topic=TOPIC, state="lost", entries=7
+            )
+        )
+    kept, recount = await counters_and_recount(store.engine)
+    assert kept != recount
+
+    await claim(store, [0], owner="b")
+    kept, _ = await counters_and_recount(store.engine)
+    assert kept[0] == {(0, TOPIC, "in_flight"): 2}  # partition 1 not taken over: as it was
+    await claim(store, [1], owner="b")
+    kept, recount = await counters_and_recount(store.engine)
+    assert kept == recount
+    assert kept[0] == {(0, TOPIC, "in_flight"): 2, (1, "audit", "in_flight"): 1}

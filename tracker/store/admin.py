@@ -29,7 +29,7 @@ import contextlib
 import enum
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import (
@@ -53,6 +53,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from tracker.engine.entries import OPERATOR_PREFIX, Entry, EntryKey, State
 from tracker.errors import KmqError
 
+from .counts import CountChanges
 from .manager import (
     KEY_COLUMNS,
     Store,
@@ -750,10 +751,15 @@ class AdminStore:
                 state_before = entry.state.value
                 decision = decide_action(entry, request, now_ms)
                 where = tuple_(*KEY_COLUMNS) == request.key
+                counts = CountChanges()
                 if decision.delete:
                     await conn.execute(delete(tracked).where(where))
+                    counts.change(entry, None)
                 elif decision.changes is not None:
                     await conn.execute(update(tracked).where(where).values(**decision.changes))
+                    if "state" in decision.changes:
+                        counts.change(entry, replace(entry, state=State(decision.changes["state"])))
+                await counts.write(conn, self.store.engine, tracked_counts)
                 if not decision.delete:
                     changes = decision.changes or {}
                     state_after = changes.get("state", entry.state.value)

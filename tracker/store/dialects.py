@@ -187,9 +187,8 @@ async def upsert_rows(
     if conn.dialect.name == "sqlite":
         await conn.exec_driver_sql(upsert_sql(conn.dialect, table, columns, update), list(rows))
         return
-    # PostgreSQL: one statement for all rows, the values as one array per column. The
-    # counters' statement-level triggers (migration 0003) then run once per flush; with
-    # ``executemany`` they ran once per row.
+    # PostgreSQL: one statement for all rows, the values as one array per column (one
+    # round trip and one plan per flush instead of a pipelined bind per row).
     sql = _unnest_upsert_sql(conn.dialect, table, tuple(columns), tuple(update))
     await conn.exec_driver_sql(sql, tuple(list(values) for values in zip(*rows, strict=True)))
 
@@ -212,6 +211,23 @@ def _unnest_upsert_sql(
     return (
         f"INSERT INTO {quote(table.name)} ({', '.join(quote(c) for c in columns)})"  # noqa: S608
         f" SELECT * FROM unnest({arrays}) ON CONFLICT ({keys}) DO UPDATE SET {updates}"
+    )
+
+
+def add_to_counters(
+    engine: AsyncEngine, table: Table, counters: Sequence[str], rows: Sequence[dict[str, Any]]
+) -> Insert:
+    """``INSERT rows ... ON CONFLICT (primary key) DO UPDATE SET c = c + excluded.c`` for each
+    column in ``counters``: rows of deltas added to the counters (created at the delta)."""
+    keys = [c.name for c in table.primary_key.columns]
+    if is_sqlite(engine):
+        sqlite_stmt = sqlite_insert(table).values(list(rows))
+        return sqlite_stmt.on_conflict_do_update(
+            index_elements=keys, set_={c: table.c[c] + sqlite_stmt.excluded[c] for c in counters}
+        )
+    pg_stmt = pg_insert(table).values(list(rows))
+    return pg_stmt.on_conflict_do_update(
+        index_elements=keys, set_={c: table.c[c] + pg_stmt.excluded[c] for c in counters}
     )
 
 

@@ -32,6 +32,7 @@ from sqlalchemy import (
     delete,
     func,
     select,
+    true,
     tuple_,
     union_all,
     update,
@@ -43,6 +44,7 @@ from tracker.engine.entries import Entry, EntryKey, PolicyLookup, State, apply_m
 from tracker.errors import KmqError
 from tracker.protocol import Marker
 
+from .counts import CountChanges, recount
 from .dialects import (
     create_engine,
     insert_ignore,
@@ -91,6 +93,8 @@ _ENTRY_COLUMNS = (
 )
 _UPDATE_COLUMNS = _ENTRY_COLUMNS[4:]
 _KEY_CHUNK = 500
+#: what an entry is counted by (tracker.store.counts)
+_COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
 _ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of _ENTRY_COLUMNS
 _T = TypeVar("_T")
 
@@ -405,6 +409,9 @@ class Store:
                 )
                 epoch, next_offset = result.one()
                 claims[partition] = Claim(epoch, None if next_offset < 0 else next_offset)
+            # The rows are ours and locked now: whatever the previous owners wrote, the
+            # counters of these partitions are exact from here on (see tracker.store.counts).
+            await recount(conn, tracked_counts, tracked, claims)
         return claims
 
     async def release_partitions(self, markers_topic: str, epochs: dict[int, int]) -> None:
@@ -494,6 +501,7 @@ class Store:
             existing = await self._load(conn, keys)
             upserts: list[tuple[Any, ...]] = []
             deletes: list[EntryKey] = []
+            counts = CountChanges()
             for key in keys:
                 before = existing.get(key)
                 entry = before
@@ -510,8 +518,10 @@ class Store:
                 if entry is None:
                     if before is not None:
                         deletes.append(key)
+                        counts.change(before, None)
                 elif entry != before:
                     upserts.append(_row_from_entry(entry))
+                    counts.change(before, entry)
                     if entry.due_at_ms is not None and (
                         result.earliest_due_ms is None or entry.due_at_ms < result.earliest_due_ms
                     ):
@@ -525,6 +535,7 @@ class Store:
             # statement-level triggers (migration 0003) run once per statement.
             for chunk in chunks(sorted(deletes), self._key_chunk):
                 await conn.execute(delete(tracked).where(keys_in(self.engine, KEY_COLUMNS, chunk)))
+            await counts.write(conn, self.engine, tracked_counts)
             result.upserted, result.deleted = len(upserts), len(deletes)
         return result
 
@@ -626,13 +637,16 @@ class Store:
                 ),
                 partitions_table.c.partition,
             )
+            counts = CountChanges()
             finished = sorted([*done, *(d.entry.key for d in dead)])
             for chunk in chunks(finished, _KEY_CHUNK):
-                await conn.execute(
-                    delete(tracked).where(
-                        keys_in(self.engine, KEY_COLUMNS, chunk), tracked.c.claim_token == token
-                    )
+                gone = await conn.execute(
+                    delete(tracked)
+                    .where(keys_in(self.engine, KEY_COLUMNS, chunk), tracked.c.claim_token == token)
+                    .returning(*_COUNT_COLUMNS)
                 )
+                for count_key in gone:
+                    counts.add(tuple(count_key), -1)
             if dead:
                 rows = [
                     {
@@ -658,18 +672,8 @@ class Store:
                 ]
                 for row_chunk in chunks(rows, max_bind_rows(self.engine, 17)):
                     await conn.execute(dead_letters.insert().values(list(row_chunk)))
-            for key, reason in sorted(lost):
-                await conn.execute(
-                    update(tracked)
-                    .where(tuple_(*KEY_COLUMNS) == key, tracked.c.claim_token == token)
-                    .values(
-                        state=State.LOST.value,
-                        due_at_ms=None,
-                        reason=reason,
-                        claim_token=None,
-                        updated_ms=now_ms,
-                    )
-                )
+            await self._mark_lost(conn, sorted(lost), now_ms, counts, token=token)
+            await counts.write(conn, self.engine, tracked_counts)
             for key, due_ms in sorted(retry):
                 await conn.execute(
                     update(tracked)
@@ -713,19 +717,67 @@ class Store:
                 )
 
     async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
+        """Record entries as lost (their original is gone), whoever claimed them."""
+        if not items:
+            return
         async with self.transaction() as conn:
-            for key, reason in items:
-                await conn.execute(
-                    update(tracked)
-                    .where(tuple_(*KEY_COLUMNS) == key)
-                    .values(
-                        state=State.LOST.value,
-                        due_at_ms=None,
-                        reason=reason,
-                        claim_token=None,
-                        updated_ms=now_ms,
-                    )
+            # Lock the entries' markers partitions first, as every writer of entries does
+            # (ingest would otherwise overwrite the change with what it read before it).
+            found = await conn.execute(
+                select(tracked.c.markers_partition)
+                .where(keys_in(self.engine, KEY_COLUMNS, [k for k, _ in items]))
+                .distinct()
+            )
+            await lock_rows_in_order(
+                conn,
+                select(partitions_table.c.partition)
+                .where(partitions_table.c.partition.in_(sorted(p for (p,) in found)))
+                .order_by(partitions_table.c.markers_topic),
+                partitions_table.c.partition,
+            )
+            counts = CountChanges()
+            await self._mark_lost(conn, sorted(items), now_ms, counts)
+            await counts.write(conn, self.engine, tracked_counts)
+
+    async def _mark_lost(
+        self,
+        conn: AsyncConnection,
+        items: Sequence[tuple[EntryKey, str]],
+        now_ms: int,
+        counts: CountChanges,
+        *,
+        token: str | None = None,
+    ) -> None:
+        """Mark ``items`` lost (only those claimed with ``token``, if given), counting it."""
+        if not items:
+            return
+        owned = tracked.c.claim_token == token if token is not None else true()
+        before: dict[EntryKey, tuple[Any, ...]] = {}
+        for chunk in chunks([k for k, _ in items], _KEY_CHUNK):
+            rows = await conn.execute(
+                select(*KEY_COLUMNS, *_COUNT_COLUMNS).where(
+                    keys_in(self.engine, KEY_COLUMNS, chunk), owned
                 )
+            )
+            for row in rows:
+                before[tuple(row[:4])] = tuple(row[4:])
+        for key, reason in items:
+            if key not in before:
+                continue
+            await conn.execute(
+                update(tracked)
+                .where(tuple_(*KEY_COLUMNS) == key, owned)
+                .values(
+                    state=State.LOST.value,
+                    due_at_ms=None,
+                    reason=reason,
+                    claim_token=None,
+                    updated_ms=now_ms,
+                )
+            )
+            partition, topic, state = before[key]
+            counts.add((partition, topic, state), -1)
+            counts.add((partition, topic, State.LOST.value), 1)
 
     async def load_payloads(self, keys: Sequence[EntryKey]) -> dict[EntryKey, StoredPayload]:
         found: dict[EntryKey, StoredPayload] = {}
