@@ -5,6 +5,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from fastapi import Response
+from pydantic import BaseModel
+
 from tracker.clock import from_millis
 from tracker.store.admin import ActionRecord, EntryView, RedriveJobView
 
@@ -23,27 +26,50 @@ def position(topic: str, partition: int, offset: int) -> models.Position:
     return models.Position(topic=topic, partition=partition, offset=offset)
 
 
+def json_response(model: BaseModel) -> Response:
+    """``model`` as the response body, as FastAPI would write it, without its round trip.
+
+    For a returned model FastAPI dumps it to a dict, validates the dict against the
+    response model and serializes that: for a page of 100 messages, more CPU than the query.
+    """
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 def message_summary(view: EntryView, now_ms: int) -> models.MessageSummary:
+    return models.MessageSummary.model_validate(message_summary_data(view, now_ms))
+
+
+def message_summary_data(view: EntryView, now_ms: int) -> dict[str, Any]:
+    """A :class:`models.MessageSummary` as plain data, for validating a page of them at once
+    (validating nested dicts is cheaper than building each model)."""
     e = view.entry
-    return models.MessageSummary(
-        id=format_message_id(e.key),
-        group=e.group_id,
-        origin=position(e.origin_topic, e.origin_partition, e.origin_offset),
-        state=models.MessageState(e.state.value),
-        attempt=e.attempt,
-        latest_copy=position(e.copy_topic, e.copy_partition, e.copy_offset),
-        due_at=when(e.due_at_ms),
-        first_seen_at=from_millis(e.first_seen_ms),
-        updated_at=from_millis(e.updated_ms),
-        deferred=e.deferred,
-        consumer=e.consumer,
-        reason=e.reason,
-        markers_partition=e.markers_partition,
-        payload_kept=view.payload_stored,
-        being_republished=e.claim_token is not None
+    return {
+        "id": format_message_id(e.key),
+        "group": e.group_id,
+        "origin": {
+            "topic": e.origin_topic,
+            "partition": e.origin_partition,
+            "offset": e.origin_offset,
+        },
+        "state": e.state.value,
+        "attempt": e.attempt,
+        "latest_copy": {
+            "topic": e.copy_topic,
+            "partition": e.copy_partition,
+            "offset": e.copy_offset,
+        },
+        "due_at": when(e.due_at_ms),
+        "first_seen_at": from_millis(e.first_seen_ms),
+        "updated_at": from_millis(e.updated_ms),
+        "deferred": e.deferred,
+        "consumer": e.consumer,
+        "reason": e.reason,
+        "markers_partition": e.markers_partition,
+        "payload_kept": view.payload_stored,
+        "being_republished": e.claim_token is not None
         and e.due_at_ms is not None
         and e.due_at_ms > now_ms,
-    )
+    }
 
 
 def action_view(record: ActionRecord) -> models.ActionView:

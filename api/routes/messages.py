@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Path, Query
+from fastapi import APIRouter, Body, Path, Query, Response
 from pydantic import AwareDatetime
 
 from tracker.clock import to_millis
@@ -42,7 +42,14 @@ from ..models import (
 )
 from ..previews import marker_history, payload_preview
 from ..security import Principal
-from ..views import action_view, dead_letter_view, message_summary, position
+from ..views import (
+    action_view,
+    dead_letter_view,
+    json_response,
+    message_summary,
+    message_summary_data,
+    position,
+)
 from . import READ_ERRORS, WRITE_ERRORS, errors
 
 router = APIRouter(prefix="/v1/messages", tags=["messages"])
@@ -106,7 +113,7 @@ async def list_messages(
     ] = "key",
     limit: Limit = 100,
     cursor: Cursor = None,
-) -> MessagePage:
+) -> Response:
     """Tracked messages matching every filter given, in pages.
 
     Pagination is by keyset: rows that exist when the listing starts are returned exactly once
@@ -139,9 +146,12 @@ async def list_messages(
             [last.due_at_ms, *key] if sort is EntryOrder.DUE else key, query
         )
     now_ms = context.now_ms()
-    return MessagePage(
-        items=[message_summary(v, now_ms) for v in views], next_cursor=next_cursor, limit=limit
-    )
+    page = {
+        "items": [message_summary_data(v, now_ms) for v in views],
+        "next_cursor": next_cursor,
+        "limit": limit,
+    }
+    return json_response(MessagePage.model_validate(page))
 
 
 async def _preview(

@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 from sqlalchemy import (
     BigInteger,
     Integer,
-    Row,
     Select,
     Table,
     and_,
@@ -71,7 +70,7 @@ KEY_COLUMNS = (
     tracked.c.origin_partition,
     tracked.c.origin_offset,
 )
-_ENTRY_COLUMNS = (
+ENTRY_COLUMN_NAMES = (
     "group_id",
     "origin_topic",
     "origin_partition",
@@ -91,11 +90,11 @@ _ENTRY_COLUMNS = (
     "keep_payload",
     "claim_token",
 )
-_UPDATE_COLUMNS = _ENTRY_COLUMNS[4:]
+_UPDATE_COLUMNS = ENTRY_COLUMN_NAMES[4:]
 _KEY_CHUNK = 500
 #: what an entry is counted by (tracker.store.counts)
 _COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
-_ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of _ENTRY_COLUMNS
+_ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of ENTRY_COLUMN_NAMES
 _T = TypeVar("_T")
 
 
@@ -177,37 +176,13 @@ def decode_headers(data: bytes | None) -> tuple[tuple[str, bytes | None], ...]:
     return tuple(out)
 
 
-def entry_from_row(row: Row[Any]) -> Entry:
-    """An :class:`Entry` from a row selecting the tracked-message columns (by name)."""
-    m = row._mapping
-    return Entry(
-        group_id=m["group_id"],
-        origin_topic=m["origin_topic"],
-        origin_partition=m["origin_partition"],
-        origin_offset=m["origin_offset"],
-        markers_partition=m["markers_partition"],
-        state=State(m["state"]),
-        attempt=m["attempt"],
-        copy_topic=m["copy_topic"],
-        copy_partition=m["copy_partition"],
-        copy_offset=m["copy_offset"],
-        due_at_ms=m["due_at_ms"],
-        first_seen_ms=m["first_seen_ms"],
-        updated_ms=m["updated_ms"],
-        deferred=bool(m["deferred"]),
-        consumer=m["consumer"],
-        reason=m["reason"],
-        keep_payload=bool(m["keep_payload"]),
-        claim_token=m["claim_token"],
-    )
+def entry_from_values(row: Sequence[Any], claimed_by: str | None = None) -> Entry:
+    """An :class:`Entry` from a row of exactly :data:`ENTRY_COLUMN_NAMES`, in that order.
 
-
-def _entry_from_values(row: Sequence[Any], claimed_by: str | None = None) -> Entry:
-    """An :class:`Entry` from a row of exactly :data:`_ENTRY_COLUMNS`, in that order.
-
-    The store's hot paths (ingest's key lookup, claims) read rows by position: building a
-    name mapping per row cost as much as the query. ``claimed_by`` replaces the row's claim
-    token (a claim builds its entries so rather than copying each with ``replace``).
+    Rows are read by position (ingest's key lookup, claims, the admin API's listings):
+    building a name mapping per row cost as much as the query. ``claimed_by`` replaces the
+    row's claim token (a claim builds its entries so rather than copying each with
+    ``replace``).
     """
     (
         group_id,
@@ -267,7 +242,7 @@ def _due_query(partitions: int) -> Select[Any]:
     Entry for every partition's candidates in Python was most of a burst round's claim). Built
     once per partition count: constructing the statement cost as much as running it.
     """
-    columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+    columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
     limit = bindparam("limit", type_=Integer)
     per_partition = [
         select(*columns)
@@ -289,7 +264,7 @@ def _due_query(partitions: int) -> Select[Any]:
 
 
 def _row_from_entry(entry: Entry) -> tuple[Any, ...]:
-    """The values of :data:`_ENTRY_COLUMNS` for ``entry``, in that order."""
+    """The values of :data:`ENTRY_COLUMN_NAMES` for ``entry``, in that order."""
     return (
         entry.group_id,
         entry.origin_topic,
@@ -459,13 +434,13 @@ class Store:
 
     async def _load(self, conn: AsyncConnection, keys: Sequence[EntryKey]) -> dict[EntryKey, Entry]:
         found: dict[EntryKey, Entry] = {}
-        columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+        columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
         for chunk in chunks(keys, self._key_chunk):
             rows = await conn.execute(
                 select(*columns).where(keys_in(self.engine, KEY_COLUMNS, chunk))
             )
             for row in rows:
-                entry = _entry_from_values(row)
+                entry = entry_from_values(row)
                 found[entry.key] = entry
         return found
 
@@ -530,7 +505,7 @@ class Store:
             # lock the same rows in the same order cannot deadlock (PostgreSQL).
             if upserts:
                 upserts.sort(key=_ROW_KEY)
-                await upsert_rows(conn, tracked, _ENTRY_COLUMNS, _UPDATE_COLUMNS, upserts)
+                await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, upserts)
             # Many keys per statement, not one statement per key: on PostgreSQL the counters'
             # statement-level triggers (migration 0003) run once per statement.
             for chunk in chunks(sorted(deletes), self._key_chunk):
@@ -545,12 +520,16 @@ class Store:
         owned = sorted(set(partitions))
         if not owned:
             return None
-        # One MIN per partition: each is a single probe of (markers_partition, due_at_ms),
-        # whatever the table's size; MIN over an IN list scanned every owned row on PostgreSQL
-        # (35x slower at 1M entries than at 10k).
+        # One probe of (markers_partition, due_at_ms) per partition, whatever the table's
+        # size: MIN over an IN list scanned every owned row on PostgreSQL (35x slower at 1M
+        # entries than at 10k). ORDER BY .. LIMIT 1 rather than MIN, which PostgreSQL turns
+        # into that probe only once its statistics say the partition has many rows (see
+        # _probes in tracker/store/admin.py).
         earliest = [
-            select(func.min(tracked.c.due_at_ms))
+            select(tracked.c.due_at_ms)
             .where(tracked.c.markers_partition == p, tracked.c.due_at_ms.is_not(None))
+            .order_by(tracked.c.due_at_ms)
+            .limit(1)
             .scalar_subquery()
             for p in owned
         ]
@@ -591,7 +570,7 @@ class Store:
                 for i, (p, t) in enumerate(group):
                     params[f"p{i}"], params[f"t{i}"] = p, t
                 rows = await conn.execute(_due_query(len(group)), params)
-                entries += [_entry_from_values(row, token) for row in rows]
+                entries += [entry_from_values(row, token) for row in rows]
             if len(searched) > _DUE_QUERY_PARTITIONS:
                 entries.sort(key=lambda e: (e.due_at_ms, e.key))
                 del entries[limit:]
@@ -687,7 +666,7 @@ class Store:
         owned = sorted(set(partitions))
         if not owned:
             return []
-        columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+        columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
         async with self.transaction() as conn:
             rows = await conn.execute(
                 select(*columns)
@@ -699,7 +678,7 @@ class Store:
                 )
                 .limit(limit)
             )
-            return [entry_from_row(row) for row in rows]
+            return [entry_from_values(row) for row in rows]
 
     async def store_payloads(self, payloads: Sequence[tuple[EntryKey, StoredPayload]]) -> None:
         async with self.transaction() as conn:
@@ -827,13 +806,13 @@ class Store:
             return int(await conn.scalar(query) or 0)
 
     async def list_entries(self, limit: int = 1000, *, group: str | None = None) -> list[Entry]:
-        columns = [tracked.c[name] for name in _ENTRY_COLUMNS]
+        columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
         query = select(*columns).order_by(*KEY_COLUMNS).limit(limit)
         if group is not None:
             query = query.where(tracked.c.group_id == group)
         async with self.transaction() as conn:
             rows = await conn.execute(query)
-            return [entry_from_row(row) for row in rows]
+            return [entry_from_values(row) for row in rows]
 
     async def list_dead_letters(
         self, limit: int = 1000, *, topic: str | None = None
