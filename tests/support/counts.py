@@ -1,9 +1,10 @@
 """Checks that the counters the database keeps (migration 0003) match their tables.
 
-``tracked_counts`` and ``dead_letter_counts`` are written only by triggers, whichever code path
-changes a row. The store and API fixtures call :func:`assert_counters_match` when a test ends,
-so every write path the suite exercises (ingest, claims, redelivery rounds, operator actions,
-redrives, resets) is checked on SQLite and on PostgreSQL.
+``tracked_counts`` is kept by the store in every transaction that writes entries,
+``dead_letter_counts`` by triggers. The store, API and engine fixtures call
+:func:`assert_counters_match` when a test ends, so every write path the suite exercises
+(ingest, claims, redelivery rounds, operator actions, redrives, resets) is checked on SQLite
+and on PostgreSQL.
 """
 
 from __future__ import annotations

@@ -506,8 +506,7 @@ class Store:
             if upserts:
                 upserts.sort(key=_ROW_KEY)
                 await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, upserts)
-            # Many keys per statement, not one statement per key: on PostgreSQL the counters'
-            # statement-level triggers (migration 0003) run once per statement.
+            # Many keys per statement (one round trip per chunk), not one statement per key.
             for chunk in chunks(sorted(deletes), self._key_chunk):
                 await conn.execute(delete(tracked).where(keys_in(self.engine, KEY_COLUMNS, chunk)))
             await counts.write(conn, self.engine, tracked_counts)
@@ -702,15 +701,18 @@ class Store:
         async with self.transaction() as conn:
             # Lock the entries' markers partitions first, as every writer of entries does
             # (ingest would otherwise overwrite the change with what it read before it).
-            found = await conn.execute(
-                select(tracked.c.markers_partition)
-                .where(keys_in(self.engine, KEY_COLUMNS, [k for k, _ in items]))
-                .distinct()
-            )
+            partitions: set[int] = set()
+            for chunk in chunks([k for k, _ in items], _KEY_CHUNK):
+                found = await conn.execute(
+                    select(tracked.c.markers_partition)
+                    .where(keys_in(self.engine, KEY_COLUMNS, chunk))
+                    .distinct()
+                )
+                partitions.update(p for (p,) in found)
             await lock_rows_in_order(
                 conn,
                 select(partitions_table.c.partition)
-                .where(partitions_table.c.partition.in_(sorted(p for (p,) in found)))
+                .where(partitions_table.c.partition.in_(sorted(partitions)))
                 .order_by(partitions_table.c.markers_topic),
                 partitions_table.c.partition,
             )

@@ -72,17 +72,17 @@ class TrackedMessage(Base):
     )
 
 
-# -- counters kept by triggers (migration 0003) ----------------------------------------------
+# -- counters (migration 0003) ---------------------------------------------------------------
 
 
 class TrackedCount(Base):
     """How many tracked entries there are per markers partition, origin topic and state.
 
-    Written only by database triggers on ``tracked_messages`` (migration 0003), in the same
-    transaction as the rows they count: the topic statistics read these few rows instead of
-    counting a table of millions. Keyed by markers partition because every writer of an entry
-    holds that partition's row lock already, so replicas never wait on each other's counters.
-    Rows that reach zero stay.
+    Kept by the ``Store`` in every transaction that writes entries, and recounted for a
+    partition when a replica takes it over (``tracker/store/counts.py``): the topic
+    statistics read these few rows instead of counting a table of millions. Keyed by markers
+    partition because every writer of an entry holds that partition's row lock already, so
+    replicas never wait on each other's counters. Rows that reach zero stay.
     """
 
     __tablename__ = "tracked_counts"
