@@ -826,9 +826,10 @@ class AdminStore:
     ) -> dict[str, TopicCounts]:
         """Per origin topic: entries by state, oldest ages, dead letters (recent and waiting).
 
-        The counts come from the counters the database keeps (migration 0003), a few rows
-        whatever the table's size; then, per topic, one index probe each for the oldest
-        in-flight message, the next delayed one and the recent dead letters.
+        The counts come from the counter tables (migration 0003: entries kept by the store,
+        dead letters by triggers), a few rows whatever the table's size; then, per topic, one
+        index probe each for the oldest in-flight message, the next delayed one and the
+        recent dead letters.
         """
         c = tracked_counts.c
         entries = select(c.origin_topic, c.state, func.sum(c.entries)).group_by(

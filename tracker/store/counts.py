@@ -50,9 +50,6 @@ class CountChanges:
         if new is not None:
             self.add(new, 1)
 
-    def __bool__(self) -> bool:
-        return any(self._deltas.values())
-
     async def write(self, conn: AsyncConnection, engine: AsyncEngine, table: Table) -> None:
         """Add the deltas to ``table`` (in key order: PostgreSQL locks rows in that order)."""
         rows = [
