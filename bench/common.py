@@ -24,7 +24,7 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tracker.kafka.admin import ensure_topic
+from tracker.kafka.admin import ensure_topic, topic_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
 KAFKA_ENV = "KAFKA_BOOTSTRAP_SERVERS"
@@ -255,11 +255,9 @@ async def highwaters(bootstrap: str, topic: str) -> dict[int, int]:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
-        partitions = sorted(consumer.partitions_for_topic(topic) or ())
-        if not partitions:
-            await consumer._client.force_metadata_update()
-            partitions = sorted(consumer.partitions_for_topic(topic) or ())
-        tps = [TopicPartition(topic, p) for p in partitions]
+        # Asked of the cluster: a consumer's metadata only covers its own topics on Kafka.
+        count = await topic_partitions(bootstrap, topic)
+        tps = [TopicPartition(topic, p) for p in range(count or 0)]
         consumer.assign(tps)
         for tp in tps:
             consumer.seek(tp, 0)

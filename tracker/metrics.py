@@ -60,6 +60,13 @@ class Metrics:
             registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
+        self.output_topic_partitions_missing = Gauge(
+            "kmq_output_topic_partitions_missing",
+            "Partitions a dead-letter or retry topic lacks against the topic whose messages "
+            "it receives (0: none); read when the tracker first writes to it.",
+            ["topic", "source"],
+            registry=r,
+        )
         self.pending_markers = Gauge(
             "kmq_pending_markers", "Markers held in memory (coalescing window).", registry=r
         )

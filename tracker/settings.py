@@ -211,8 +211,21 @@ class TrackerSettings(BaseSettings):
         le=10_000,
         description="Partitions of the markers topic when the tracker creates it.",
     )
-    markers_replication_factor: int = Field(
-        1, ge=1, le=16, description="Replication factor of topics the tracker creates."
+    markers_replication_factor: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description=(
+            "Replication factor of the topics the tracker creates (markers, invalid markers, "
+            "dead-letter and retry topics); unset: 3, or the number of brokers if fewer."
+        ),
+    )
+    output_topic_configs: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Topic configs (e.g. retention.ms) of the dead-letter and retry topics the tracker "
+            "creates; an existing topic keeps its own."
+        ),
     )
     invalid_markers_topic: str | None = Field(
         None, description="Where refused markers are parked; default `<markers_topic>.invalid`."
@@ -231,7 +244,12 @@ class TrackerSettings(BaseSettings):
         False, description="Run the database migrations when the process starts."
     )
     create_topics: bool = Field(
-        True, description="Create the markers and invalid-markers topics if they are missing."
+        True,
+        description=(
+            "Create missing topics: the markers and invalid-markers topics at start, and each "
+            "dead-letter or retry topic when first written, with as many partitions as the "
+            "topic whose messages it receives."
+        ),
     )
     coalesce_window: Duration = Field(
         timedelta(seconds=2),

@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from support.broker import topic_partition_ids
 
 from tracker.client import KmqConsumer
 from tracker.headers import Headers
@@ -79,14 +80,8 @@ class TopicWatcher:
         await consumer.start()
         tps: list[Any] = []
         for topic in self._topics:
-            partitions = consumer.partitions_for_topic(topic)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
-            while not partitions:
-                assert loop.time() < deadline, f"topic {topic} has no partitions"
-                await consumer._client.force_metadata_update()
-                partitions = consumer.partitions_for_topic(topic)
-            tps += [TopicPartition(topic, p) for p in sorted(partitions)]
+            partitions = await topic_partition_ids(self._bootstrap, topic, within=20)
+            tps += [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         self._task = asyncio.create_task(self._read(consumer))

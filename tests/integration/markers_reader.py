@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from support.broker import topic_partition_ids
 
 from tracker.protocol import Marker, decode_marker
 
@@ -36,11 +37,8 @@ async def read_markers(
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
-        partitions = consumer.partitions_for_topic(topic)
-        if not partitions:
-            await consumer._client.force_metadata_update()
-            partitions = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        partitions = await topic_partition_ids(bootstrap, topic, within=within.total_seconds())
+        tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         out: list[MarkerRecord] = []

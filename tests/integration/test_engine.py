@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from support.broker import topic_partition_ids
 from support.counts import assert_counters_match
 
 from tracker import headers as h
@@ -199,6 +200,32 @@ async def test_reject_dead_letters_at_once_with_the_reason(env: dict[str, str]) 
     assert (record.key, record.value) == (b"p", b"poison")
     assert copies(watcher, topic) == []
     assert len(worker.received) == 1
+    # The tracker created the DLQ on first use, with the queue's partition count (it learns
+    # it from the cluster, not from a consumer that never subscribed to the queue).
+    assert await topic_partition_ids(env["bootstrap"], f"{topic}.dlq") == [0, 1]
+    assert t.metrics.output_topic_partitions_missing.labels(f"{topic}.dlq", topic)._value.get() == 0
+
+
+async def test_an_existing_dlq_with_fewer_partitions_is_used_and_reported(
+    env: dict[str, str], topic_factory: TopicFactory
+) -> None:
+    topic = env["topic"]  # 2 partitions
+    dlq = await topic_factory(partitions=1, prefix="small-dlq")
+
+    async def reject(message: KmqMessage) -> None:
+        await message.reject("no")
+
+    async with (
+        running_tracker(env, topics={topic: {"dlq_topic": dlq}}) as t,
+        KmqProducer(env["bootstrap"]) as producer,
+        Worker(env, reject),
+        TopicWatcher(env["bootstrap"], dlq) as dead,
+    ):
+        await producer.send(topic, b"poison", key=b"p")
+        await dead.wait_for(lambda r: len(r) == 1, what="the DLQ record")
+        missing = t.metrics.output_topic_partitions_missing.labels(dlq, topic)._value.get()
+    assert missing == 1
+    assert await topic_partition_ids(env["bootstrap"], dlq) == [0]  # reported, not altered
 
 
 async def test_extend_postpones_redelivery_to_the_new_deadline(env: dict[str, str]) -> None:
@@ -327,9 +354,7 @@ async def _record_count(bootstrap: str, topic: str) -> int:
     c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await c.start()
     try:
-        await c.topics()  # loads the metadata of all topics
-        tps = [TopicPartition(topic, p) for p in c.partitions_for_topic(topic) or ()]
-        assert tps
+        tps = [TopicPartition(topic, p) for p in await topic_partition_ids(bootstrap, topic)]
         c.assign(tps)
         await c.seek_to_beginning(*tps)
         count = 0

@@ -15,7 +15,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
-from support.broker import BrokerStartupError, TansuBroker, TopicFactory, unique_topic
+from support.broker import (
+    BrokerStartupError,
+    TansuBroker,
+    TopicFactory,
+    topic_partition_ids,
+    unique_topic,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -70,7 +76,7 @@ async def test_round_trip_with_keys_and_headers(
     async with AIOKafkaConsumer(
         bootstrap_servers=kafka_bootstrap, enable_auto_commit=False
     ) as consumer:
-        assert consumer.partitions_for_topic(topic) == {0, 1, 2}
+        assert await topic_partition_ids(kafka_bootstrap, topic) == [0, 1, 2]
         tps = [TopicPartition(topic, p) for p in range(3)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from support.broker import topic_partition_ids
 
 from tracker import headers as h
 from tracker.client import KmqMessage, KmqProducer
@@ -234,12 +235,8 @@ async def high_watermarks(bootstrap: str, topic: str, within: float = 30.0) -> d
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
-        partitions: set[int] | None = None
-        while not partitions:
-            assert loop.time() < deadline, f"no metadata for {topic}"
-            await c.topics()
-            partitions = c.partitions_for_topic(topic)
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        partitions = await topic_partition_ids(bootstrap, topic, within=within)
+        tps = [TopicPartition(topic, p) for p in partitions]
         c.assign(tps)
         await c.seek_to_beginning(*tps)
         while True:

@@ -34,6 +34,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 from integration.engine_support import Seen, consumer
 from integration.workload import Ledger, Reception, Worker, high_watermarks, message_index
+from support.broker import topic_partition_ids
 
 from tracker.client import KmqMessage
 from tracker.errors import KmqError
@@ -271,12 +272,8 @@ async def read_topic(bootstrap: str, topic: str, within: float = 60.0) -> list[S
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
-        partitions = consumer.partitions_for_topic(topic)
-        while not partitions:
-            assert loop.time() < deadline, f"no metadata for {topic}"
-            await consumer._client.force_metadata_update()
-            partitions = consumer.partitions_for_topic(topic)
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        partitions = await topic_partition_ids(bootstrap, topic, within=within)
+        tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         out: list[Seen] = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from support.broker import topic_partition_ids
 
 from tracker import headers as h
 from tracker.ids import MessageId
@@ -120,9 +121,7 @@ async def read_topic(
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
-        await consumer.topics()
-        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        assert tps, f"topic {topic} has no partitions"
+        tps = [TopicPartition(topic, p) for p in await topic_partition_ids(bootstrap, topic)]
         consumer.assign(tps)
         for tp in tps:
             consumer.seek(tp, (start or {}).get(tp.partition, 0))

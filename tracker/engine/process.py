@@ -24,7 +24,7 @@ from tracker.engine.payloads import PayloadKeeper
 from tracker.engine.redeliver import Redeliverer, TrackerEvent
 from tracker.engine.redrive import RedriveRunner
 from tracker.engine.topics import TopicCatalog
-from tracker.kafka.admin import ensure_topic, topic_timestamp_type
+from tracker.kafka.admin import ensure_topic, topic_partitions, topic_timestamp_type
 from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
 from tracker.kafka.security import kafka_client_options
@@ -137,7 +137,7 @@ class Tracker:
             claim_lease_ms=int(settings.claim_lease.total_seconds() * 1000),
             max_idle=settings.max_idle_sleep.total_seconds(),
             on_event=on_event,
-            ensure_topic=self._ensure_output_topic if settings.create_topics else None,
+            ensure_topic=self._ensure_output_topic,
         )
         self._ensured: set[str] = set()
         self.payloads = PayloadKeeper(
@@ -196,16 +196,52 @@ class Tracker:
             )
 
     async def _ensure_output_topic(self, topic: str, like: str) -> None:
-        """Create a DLQ or retry topic on first use, with as many partitions as ``like``."""
+        """Before the first write to a DLQ or retry topic: as many partitions as ``like``?
+
+        Creates the topic (``create_topics``) with the partition count of ``like``, the topic
+        whose messages it receives, so that per-partition order and parallelism survive a
+        redrive; an existing topic with fewer partitions is reported (a warning and
+        ``kmq_output_topic_partitions_missing``), not changed. Partition counts are asked of
+        the cluster: no client of the tracker subscribes to queue topics, and on Apache Kafka a
+        consumer's metadata holds only the topics it subscribed to.
+        """
         if topic in self._ensured:
             return
-        partitions = self._consumer.partitions_for_topic(like) or set()
-        await ensure_topic(
-            self.settings.kafka_bootstrap_servers,
-            topic,
-            partitions=max(1, len(partitions)),
-            client_config=self._client_config,
-        )
+        bootstrap = self.settings.kafka_bootstrap_servers
+        source = await topic_partitions(bootstrap, like, client_config=self._client_config) or 1
+        existing = await topic_partitions(bootstrap, topic, client_config=self._client_config)
+        if existing is None and self.settings.create_topics:
+            await ensure_topic(
+                bootstrap,
+                topic,
+                partitions=source,
+                replication_factor=self.settings.markers_replication_factor,
+                configs=self.settings.output_topic_configs,
+                client_config=self._client_config,
+            )
+            existing = await topic_partitions(bootstrap, topic, client_config=self._client_config)
+        if existing is None:
+            log.warning(
+                "topic %r does not exist and create_topics is off: writing to it relies on the "
+                "broker's auto-creation (num.partitions), not %d partitions like %r",
+                topic,
+                source,
+                like,
+            )
+        elif existing < source:
+            log.warning(
+                "topic %r has %d partitions, fewer than the %d of %r whose messages it "
+                "receives: its records lose their partition order and parallelism; add "
+                "partitions (kafka-topics.sh --alter --topic %s --partitions %d)",
+                topic,
+                existing,
+                source,
+                like,
+                topic,
+                source,
+            )
+        missing = 0 if existing is None else max(0, source - existing)
+        self.metrics.output_topic_partitions_missing.labels(topic, like).set(missing)
         self._ensured.add(topic)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -221,7 +257,7 @@ class Tracker:
                 self.settings.kafka_bootstrap_servers,
                 self.settings.markers_topic,
                 partitions=self.settings.markers_partitions,
-                replication_factor=None,
+                replication_factor=self.settings.markers_replication_factor,
                 configs={"message.timestamp.type": "LogAppendTime"},
                 client_config=self._client_config,
             )
@@ -229,6 +265,7 @@ class Tracker:
                 self.settings.kafka_bootstrap_servers,
                 self.settings.invalid_topic,
                 partitions=1,
+                replication_factor=self.settings.markers_replication_factor,
                 client_config=self._client_config,
             )
         kind = await topic_timestamp_type(
