@@ -31,7 +31,16 @@ class Metrics:
             registry=r,
         )
         self.redeliveries = Counter(
-            "kmq_redeliveries_total", "Copies republished, by origin topic.", ["topic"], registry=r
+            "kmq_redeliveries_total",
+            "Copies republished after a timeout or retry, by origin topic.",
+            ["topic"],
+            registry=r,
+        )
+        self.delayed_delivered = Counter(
+            "kmq_delayed_delivered_total",
+            "Delayed messages published when due (their first delivery; not redeliveries).",
+            ["topic"],
+            registry=r,
         )
         self.dead_lettered = Counter(
             "kmq_dead_lettered_total", "Messages published to a DLQ.", ["topic"], registry=r

@@ -295,7 +295,7 @@ async def test_delayed_message_is_handed_over_only_when_due(env: dict[str, str])
         await message.ack()
 
     async with (
-        running_tracker(env),
+        running_tracker(env) as tracker,
         KmqProducer(env["bootstrap"]) as producer,
         TopicWatcher(env["bootstrap"], topic, markers) as watcher,
         Worker(env, ack) as worker,
@@ -303,6 +303,12 @@ async def test_delayed_message_is_handed_over_only_when_due(env: dict[str, str])
         metadata = await producer.send(topic, b"later", delay=timedelta(seconds=4))
         await eventually(lambda: len(worker.received) == 1, within=30, what="delivery")
         handed_at = worker.received[0].timestamp
+        metrics = tracker.metrics
+        # Its first delivery is counted as such, not as a redelivery.
+        await eventually(
+            lambda: metrics.delayed_delivered.labels(topic)._value.get() == 1, what="the count"
+        )
+        assert metrics.redeliveries.labels(topic)._value.get() == 0
     [delay] = markers_for(watcher, markers, MarkerKind.DELAY)
     assert decode_marker(delay.value).deferred
     [copy] = copies(watcher, topic)

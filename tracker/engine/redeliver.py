@@ -31,7 +31,7 @@ from prometheus_client import Counter
 from tracker import headers as h
 from tracker.clock import Clock, to_millis
 from tracker.engine.copies import CopyBatches
-from tracker.engine.entries import Decision, Entry, EntryKey, Plan, plan_due
+from tracker.engine.entries import Decision, Entry, EntryKey, Plan, State, plan_due
 from tracker.errors import KmqError
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
@@ -257,7 +257,15 @@ class Redeliverer:
                 continue
             if plan.decision is Decision.REDELIVER:
                 done.append(entry.key)
-                counted.append(self._metrics.redeliveries.labels(entry.origin_topic))
+                # A delayed message's first copy is its first delivery, not a redelivery:
+                # counted apart, so that delayed traffic does not read as consumers failing.
+                first_delivery = entry.state is State.DELAYED and entry.deferred
+                counter = (
+                    self._metrics.delayed_delivered
+                    if first_delivery
+                    else self._metrics.redeliveries
+                )
+                counted.append(counter.labels(entry.origin_topic))
                 events.append(TrackerEvent("redelivered", entry, detail))
             else:
                 dead.append(
