@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
+    AwareDatetime,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -649,8 +650,9 @@ class DeadLetterFilterBody(BaseModel):
     reason: (
         Annotated[str, AfterValidator(_storable), text(1000, "Substring of the reason.")] | None
     ) = Field(None, description="Substring of the reason, case-insensitive.")
-    since: datetime | None = Field(None, description="Dead-lettered at or after.")
-    until: datetime | None = Field(None, description="Dead-lettered before.")
+    # Aware only: a time without a zone is ambiguous, and is refused (422) as GET /v1/dlq does.
+    since: AwareDatetime | None = Field(None, description="Dead-lettered at or after.")
+    until: AwareDatetime | None = Field(None, description="Dead-lettered before.")
 
 
 class RedriveCreate(BaseModel):

@@ -427,6 +427,7 @@ async def test_actions_are_idempotent_with_a_key(env: ApiEnv) -> None:
     # Same key, another request: refused, nothing done.
     for path, body in (
         ("/v1/messages/billing/orders/0/1/extend", {"by_ms": 1}),
+        ("/v1/messages/billing/orders/0/1/extend", {"by_ms": 60_000, "reason": "another"}),
         ("/v1/messages/billing/orders/0/2/extend", {"by_ms": 60_000}),
         ("/v1/messages/billing/orders/0/1/ack", None),
     ):

@@ -301,6 +301,13 @@ async def test_dry_run_explicit_ids_validation_and_idempotency(
     assert (again.json()["id"], again.json()["replayed"]) == (job["id"], True)
     conflict = await client.post("/v1/redrive-jobs", json={**body, "rate": 1}, headers=key)
     assert conflict.status_code == 409
+    # A time without a zone is ambiguous: refused with a clear 422, never a 500.
+    for field in ("since", "until"):
+        for naive in ("2026-01-01T00:00:00", "2026-01-01"):
+            selection = {"filter": {"topic": origin, field: naive}, "dry_run": True}
+            refused = await client.post("/v1/redrive-jobs", json=selection)
+            assert refused.status_code == 422, refused.text
+            assert "timezone" in refused.text
     assert conflict.json()["error"] == "idempotency_conflict"
 
     async with running(runner(env, "runner-a")):

@@ -705,6 +705,7 @@ class AdminStore:
         if (
             found.key != request.key
             or found.action is not request.action
+            or found.reason != request.reason
             or row._mapping["params"] != request.params()
         ):
             raise IdempotencyConflict(
