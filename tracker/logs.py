@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from tracker.logsafety import safe_field, scrub
@@ -29,8 +31,49 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+class RepeatLimiter(logging.Filter):
+    """Lets one record of a kind through per ``interval``, and says how many it held back.
+
+    A kind is the logger and the message template (not its arguments). aiokafka logs every
+    failed connection attempt, a few per second and per broker while one is away: an outage of
+    minutes grew a tracker's log by thousands of identical lines, burying the few that say
+    what happened. Only loggers under ``prefixes`` are limited; the tracker's own lines are
+    written to be few.
+    """
+
+    def __init__(
+        self,
+        interval: float = 60.0,
+        *,
+        prefixes: tuple[str, ...] = ("aiokafka",),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._interval = interval
+        self._prefixes = prefixes
+        self._clock = clock
+        self._last: dict[tuple[str, object], float] = {}
+        self._held: dict[tuple[str, object], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(self._prefixes):
+            return True
+        kind = (record.name, record.msg)
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return False
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        if held:
+            record.msg = f"{record.msg} (and {held} more like it in the last {self._interval:g} s)"
+        return True
+
+
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     handler = logging.StreamHandler()
+    handler.addFilter(RepeatLimiter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
