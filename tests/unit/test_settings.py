@@ -140,9 +140,13 @@ def test_durations_from_the_environment(
     assert settings.default_policy.processing_timeout == expected
 
 
-def test_an_unreadable_duration_is_refused() -> None:
-    with pytest.raises(ValidationError, match="coalesce_window"):
-        TrackerSettings(coalesce_window="soon")
+@pytest.mark.parametrize("value", ["soon", "banana", "-5", "", "-PT5S", -5, -0.5])
+def test_an_unreadable_or_negative_duration_is_refused_with_the_accepted_forms(
+    value: object,
+) -> None:
+    with pytest.raises(ValidationError, match="coalesce_window") as refused:
+        TrackerSettings(coalesce_window=value)
+    assert "500ms, 30s, 5m, 2h, 7d, or ISO 8601 (PT30S)" in str(refused.value)
 
 
 def test_kmq_variables_that_set_nothing_are_named_with_a_suggestion() -> None:
