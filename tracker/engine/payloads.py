@@ -9,7 +9,6 @@ the original is already gone, the entry is recorded as lost right away, with the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -58,8 +57,18 @@ class PayloadKeeper:
             if copied >= self._batch:
                 continue
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval)
+            # Woken by new work or by the stop: a shutdown must not wait out the interval.
+            waits = {
+                asyncio.ensure_future(self._wake.wait()),
+                asyncio.ensure_future(stopping.wait()),
+            }
+            try:
+                await asyncio.wait(
+                    waits, timeout=self._interval, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                for waiting in waits:
+                    waiting.cancel()
 
     async def run_once(self) -> int:
         """Copy the payloads of up to one batch of flagged entries; returns how many."""
