@@ -219,7 +219,12 @@ def bench_broker(spark: Any, markers: int, workdir: Path, bootstrap: str | None)
             admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
             await admin.start()
             try:
-                await admin.create_topics([NewTopic(topic, MARKERS_PARTITIONS, 1)])
+                # Unlimited retention: the records carry fixed timestamps (BASE_MS) that a
+                # real Kafka's default 7-day retention, counted from record timestamps, would
+                # soon delete (tansu keeps everything).
+                await admin.create_topics(
+                    [NewTopic(topic, MARKERS_PARTITIONS, 1, topic_configs={"retention.ms": "-1"})]
+                )
             finally:
                 await admin.close()
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
+from support.broker import unique_topic
 
 from api.app import create_app, create_standalone_app
 from api.server import ApiServerError, serve
@@ -225,8 +226,9 @@ async def test_health_readiness_and_metrics(env: ApiEnv, topic_factory: TopicFac
     assert "kmq_ingest_flush_seconds_bucket" in text
     assert "kmq_redelivery_round_seconds_bucket" in text
 
-    # Not ready: the markers topic is missing.
-    missing = env.settings.model_copy(update={"markers_topic": "no-such-markers-topic"})
+    # Not ready: the markers topic is missing (a fresh name: a fixed one may exist on a
+    # long-lived cluster, auto-created by whatever once named it).
+    missing = env.settings.model_copy(update={"markers_topic": unique_topic("no-such-markers")})
     env.context.settings = missing
     not_ready = await env.anonymous.get("/readyz")
     assert not_ready.status_code == 503

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from support.broker import unique_topic
 
 from tracker.engine.redrive import REDRIVE_ITEM, REDRIVE_JOB, RedriveRunner
 from tracker.store.admin import Produced
@@ -323,7 +324,7 @@ async def test_dry_run_explicit_ids_validation_and_idempotency(
         ({"ids": [999_999]}, "no dead letters with ids 999999"),
         ({"ids": [a[2]], "filter": {}}, "exactly one"),
         ({"rate": 10}, "exactly one"),
-        ({"ids": [a[2]], "target_topic": "no-such-topic-here"}, "does not exist"),
+        ({"ids": [a[2]], "target_topic": unique_topic("no-such-topic")}, "does not exist"),
         ({"ids": [a[2]], "rate": 0}, "body.rate"),
         ({"ids": []}, "body.ids"),
         ({"filter": {"since": "yesterday"}}, "body.filter.since"),

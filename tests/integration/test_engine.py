@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from support.broker import topic_partition_ids
+from support.broker import topic_partition_ids, unique_topic
 from support.counts import assert_counters_match
 
 from tracker import headers as h
@@ -437,6 +437,9 @@ async def test_malformed_and_unknown_markers_are_parked_while_valid_ones_work(
 
     topic, markers = env["topic"], env["markers"]
     invalid = f"{markers}.invalid"
+    # A fresh name: a fixed one may exist on a long-lived cluster (anything that once named it
+    # in a produce or metadata request auto-created it there), and the marker would be valid.
+    absent = unique_topic("no-such-topic")
     raw = AIOKafkaProducer(bootstrap_servers=env["bootstrap"])
     await raw.start()
     sink = KafkaMarkerSink(raw, markers)
@@ -453,9 +456,7 @@ async def test_malformed_and_unknown_markers_are_parked_while_valid_ones_work(
         ):
             for i, junk in enumerate(garbage * 5):
                 await raw.send_and_wait(markers, junk, partition=i % 4)
-            await sink.send_all(
-                [Marker.start(env["group"], MessageId("no-such-topic-xyz", 0, 1), timeout_ms=1)]
-            )
+            await sink.send_all([Marker.start(env["group"], MessageId(absent, 0, 1), timeout_ms=1)])
             async with Worker(env, ack) as worker:
                 for i in range(50):
                     await producer.send(topic, f"ok{i}".encode())
