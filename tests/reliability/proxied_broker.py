@@ -1,16 +1,19 @@
-"""A tansu broker that only exists behind a :class:`~support.proxy.TcpProxy`.
+"""A Kafka broker that clients reach only through a fault-injection proxy.
 
 Kafka clients bootstrap from one address and then connect to whatever the broker *advertises*
 in its metadata. To cut a client off from the broker, every connection must go through the
-proxy, so the broker has to advertise the proxy's address: this starts a dedicated tansu whose
-listener is a private port and whose advertised listener is the proxy's.
+proxy. Two ways, one interface (``address`` for clients, ``proxy`` to cut and heal):
 
-``TansuBroker`` uses one URL for both; a small wrapper executable (written next to the broker
-log) swaps the ``--advertised-listener-url`` argument before exec'ing the real binary, so the
-harness's broker class is reused unchanged (readiness probe, log, stop).
-
-This needs a broker we start ourselves: with ``KAFKA_BOOTSTRAP_SERVERS`` (an external cluster)
-the advertised listeners cannot be rewritten, and tests using this skip with that reason.
+* **tansu (default)**: a dedicated tansu whose listener is a private port and whose advertised
+  listener is a :class:`~support.proxy.TcpProxy`. ``TansuBroker`` uses one URL for both; a
+  small wrapper executable (written next to the broker log) swaps the
+  ``--advertised-listener-url`` argument before exec'ing the real binary, so the harness's
+  broker class is reused unchanged (readiness probe, log, stop).
+* **external cluster** (``KAFKA_BOOTSTRAP_SERVERS``): its advertised listeners cannot be
+  changed, so a :class:`~support.kafka_proxy.KafkaProxy` sits in front of it and rewrites the
+  broker addresses in Metadata and FindCoordinator responses to listeners of its own. Topics
+  the test registers with ``own_topics`` (and topics whose names start with them) are deleted
+  afterwards: the cluster outlives the test.
 """
 
 from __future__ import annotations
@@ -22,22 +25,24 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-import pytest
-from support.broker import TansuBroker, find_tansu_binary, free_port
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from support.broker import (
+    TansuBroker,
+    delete_topics,
+    find_tansu_binary,
+    free_port,
+    wait_for_kafka,
+)
+from support.kafka_proxy import KafkaProxy
 from support.proxy import TcpProxy
 
 EXTERNAL_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 
 
-def skip_if_external_cluster() -> None:
-    """The one legitimate skip of the suite: a proxy cannot sit in front of a real cluster."""
-    external = os.environ.get(EXTERNAL_ENV, "").strip()
-    if external:
-        pytest.skip(
-            f"{EXTERNAL_ENV}={external} is an external cluster: its advertised listeners cannot "
-            "be pointed at a fault-injection proxy, so the broker-outage test runs only with "
-            "the local tansu broker (unset KAFKA_BOOTSTRAP_SERVERS)"
-        )
+def external_cluster() -> str | None:
+    """``KAFKA_BOOTSTRAP_SERVERS`` if set (the suite then runs against that cluster)."""
+    return os.environ.get(EXTERNAL_ENV, "").strip() or None
 
 
 def _advertising_wrapper(real_binary: str, advertised_url: str, directory: Path) -> str:
@@ -56,23 +61,42 @@ def _advertising_wrapper(real_binary: str, advertised_url: str, directory: Path)
 
 
 class ProxiedBroker:
-    """A proxy on a free port and a tansu broker that advertises it. ``address`` is the
-    bootstrap address for every client; ``proxy`` cuts and heals the network."""
+    """A broker behind a proxy: ``address`` is the bootstrap address for every client;
+    ``proxy`` cuts and heals the network. A dedicated tansu advertising a ``TcpProxy``, or,
+    with ``KAFKA_BOOTSTRAP_SERVERS`` set (or ``external=``), a ``KafkaProxy`` in front of that
+    cluster."""
 
-    def __init__(self, log_dir: Path | None = None) -> None:
+    def __init__(self, log_dir: Path | None = None, *, external: str | None = None) -> None:
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="kmq-proxied-tansu-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.broker_port = free_port()
-        self.proxy = TcpProxy("127.0.0.1", self.broker_port)
+        self.external = external if external is not None else external_cluster()
+        self.proxy: TcpProxy
+        if self.external:
+            self.broker_port = 0
+            self.proxy = KafkaProxy(self.external)
+        else:
+            self.broker_port = free_port()
+            self.proxy = TcpProxy("127.0.0.1", self.broker_port)
         self.broker: TansuBroker | None = None
+        #: names (and name prefixes) of topics to delete from an external cluster afterwards
+        self.own_topics: list[str] = []
 
     @property
     def address(self) -> str:
         return self.proxy.address
 
+    @property
+    def proxy_errors(self) -> list[str]:
+        """Responses the proxy failed to rewrite (each let nothing around it); must be empty."""
+        return list(self.proxy.errors) if isinstance(self.proxy, KafkaProxy) else []
+
     async def start(self) -> None:
         await self.proxy.__aenter__()
         try:
+            if self.external:
+                # Through the proxy: fails here, with the cluster's answer, if it cannot work.
+                await wait_for_kafka(self.address, within=30)
+                return
             wrapper = _advertising_wrapper(
                 find_tansu_binary(), f"tcp://{self.proxy.address}", self.log_dir
             )
@@ -86,10 +110,14 @@ class ProxiedBroker:
         try:
             if self.broker is not None:
                 await self.broker.astop()
+            if self.external and self.own_topics:
+                await _delete_own_topics(self.external, self.own_topics)
         finally:
             await self.proxy.__aexit__(None, None, None)
 
     def log_tail(self, lines: int = 30) -> str:
+        if self.external:
+            return f"<external cluster {self.external}>"
         return self.broker.log_tail(lines) if self.broker is not None else "<no broker>"
 
     async def __aenter__(self) -> Self:
@@ -103,3 +131,16 @@ class ProxiedBroker:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+async def _delete_own_topics(bootstrap: str, prefixes: list[str]) -> None:
+    """Best effort: the topics named (or prefixed) by ``prefixes``, on the cluster itself."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=30_000)
+    try:
+        await admin.start()
+        names = await admin.list_topics()
+    except (KafkaError, OSError, TimeoutError):
+        return
+    finally:
+        await admin.close()
+    await delete_topics(bootstrap, [n for n in names if n.startswith(tuple(prefixes))])

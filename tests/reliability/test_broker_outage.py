@@ -1,9 +1,13 @@
 """Broker unreachable under load: connections dropped, then stalled; everyone recovers.
 
-A dedicated tansu broker advertises a :class:`~support.proxy.TcpProxy` in front of it, and every
-client — the tracker (in this process), the worker's consumer and marker producer, the producer
-of the workload — bootstraps from the proxy, so metadata never leads a client around it. While
-the tracker is redelivering, the network fails in two ways, back to back:
+Every client — the tracker (in this process), the worker's consumer and marker producer, the
+producer of the workload — bootstraps from a proxy, and metadata never leads a client around
+it: by default a dedicated tansu broker advertises a :class:`~support.proxy.TcpProxy` in front
+of it; with ``KAFKA_BOOTSTRAP_SERVERS`` (an external cluster, whose advertised listeners we
+cannot change) a :class:`~support.kafka_proxy.KafkaProxy` in front of it rewrites the broker
+addresses of Metadata and FindCoordinator responses to its own listeners (see
+``reliability/proxied_broker.py``). While the tracker is redelivering, the network fails in two
+ways, back to back:
 
 1. **drop**: every connection is reset and new ones are reset on accept (a broker that went
    away: clients see errors at once);
@@ -20,9 +24,6 @@ lease is a worker that died, for the tracker); those are counted and reported as
 deliveries allowed by at-least-once. Duplicate *copies* (the same attempt twice) can come only
 from a redelivery round whose record transaction ran after its copies were produced and failed:
 the bound is one round per outage phase.
-
-With ``KAFKA_BOOTSTRAP_SERVERS`` set (an external cluster) this test skips: a proxy cannot
-rewrite a real cluster's advertised listeners (see docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from .harness import (
     wait_settled,
     wait_until,
 )
-from .proxied_broker import ProxiedBroker, skip_if_external_cluster
+from .proxied_broker import ProxiedBroker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -133,7 +134,6 @@ async def sample_health(
 
 
 async def test_broker_dropped_then_stalled_loses_nothing(postgres_url: str, tmp_path: Path) -> None:
-    skip_if_external_cluster()
     rng = random.Random(SEED)
     ack_first = {i for i in range(MESSAGES) if rng.random() < ACK_SHARE}
     started = time.monotonic()
@@ -141,6 +141,7 @@ async def test_broker_dropped_then_stalled_loses_nothing(postgres_url: str, tmp_
         bootstrap = broker.address
         topic = unique_topic("brk-queue")
         markers = unique_topic("brk-markers")
+        broker.own_topics += [topic, markers]  # and the tracker's topics named after them
         await create_topics(bootstrap, {topic: 3, markers: MARKERS_PARTITIONS})
         group = unique_topic("brk-workers")
         settings = tracker_settings(
@@ -260,6 +261,7 @@ async def test_broker_dropped_then_stalled_loses_nothing(postgres_url: str, tmp_
             )
         queue_records = await read_topic(bootstrap, topic)
         marker_records = await read_topic(bootstrap, markers)
+        proxy_errors = broker.proxy_errors
 
     ledger = Ledger.build(sent, queue_records, worker)
     confirmed = dict(ledger.acked)
@@ -298,6 +300,7 @@ async def test_broker_dropped_then_stalled_loses_nothing(postgres_url: str, tmp_
     )
     figures.acked_then_redelivered = len(violations)
     report(figures)
+    assert proxy_errors == [], f"responses the proxy could not rewrite: {proxy_errors}"
     assert len(sent) == MESSAGES
     assert ledger.strangers() == []
     assert ledger.never_acked() == [], f"lost: {ledger.never_acked()[:20]}"

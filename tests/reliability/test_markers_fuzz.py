@@ -11,9 +11,24 @@ reported with the figures; the pace *target* (at least half the clean rate with 
 is a benchmark, ``bench`` scenario 2 (c), measured on a quiet machine rather than asserted
 while the rest of the suite competes for the same two cores.
 
-**Absurd but valid**: markers the format allows but that ask for extremes (a record timestamp
-200 years ahead or 55 years back, the longest lease, a ten-year delay, a message at offset
-2^63-1) are handled without stalling anything: clamped, redelivered, kept, or recorded as lost.
+**Absurd but valid**: markers the format allows but that ask for extremes are handled without
+stalling anything: clamped, redelivered, kept, or recorded as lost. Two kinds of extreme:
+
+* *in the payload*, the furthest a marker can push a deadline: the longest lease
+  (``MAX_TIMEOUT_MS``), the ten-year delay (``MAX_DELAY_MS``), a message at offset 2^63-1;
+* *in the record timestamp*, the reference of every duration (docs/protocol.md, Time): a
+  writer clock ahead of the tracker's is clamped to the tracker's receive time, one behind it
+  is taken as is. On a ``CreateTime`` topic a writer's stamp reaches the tracker only within
+  what the broker accepts: Apache Kafka 4 refuses stamps more than an hour ahead of its clock
+  (``message.timestamp.after.max.ms``; ``InvalidTimestampException``, the whole batch) and
+  accepts any past one (``message.timestamp.before.max.ms`` is unbounded), so the test writes
+  50 minutes ahead and 55 years back. On a ``LogAppendTime`` topic (what the tracker creates)
+  the broker ignores the writer's stamp, however absurd: Apache replaces it with its own, tansu
+  keeps it and the tracker clamps it; either way the lease counts from about now.
+
+**Refused by the invalid topic**: a garbage record too large for the invalid-markers topic is
+parked as a stub (Apache Kafka; tansu enforces no size limit and takes it whole), and ingest
+goes on after it.
 """
 
 from __future__ import annotations
@@ -31,11 +46,11 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from integration.engine_support import FAST_GROUP, tracker_settings
 from integration.workload import high_watermarks
-from support.broker import TopicFactory, unique_topic
+from support.broker import TopicFactory, create_topics, delete_topics, unique_topic
 from support.databases import sqlite_url
 
 from tracker.engine.entries import State
-from tracker.engine.parking import INVALID_CATEGORY
+from tracker.engine.parking import INVALID_CATEGORY, INVALID_SIZE, INVALID_SOURCE, INVALID_STUB
 from tracker.engine.process import Tracker
 from tracker.errors import MarkerError
 from tracker.ids import MessageId
@@ -245,43 +260,54 @@ async def test_a_keyless_tombstone_is_parked_not_fatal(
     assert len(parked) == 1
 
 
+#: How far ahead a writer's clock may stamp a CreateTime record and still be accepted: Apache
+#: Kafka 4 refuses more than ``message.timestamp.after.max.ms`` (1 h by default) ahead of the
+#: broker's clock; 10 minutes are left for the broker's clock to differ from the test's.
+WRITER_AHEAD_MS = 50 * 60 * 1000
+YEAR_MS = 365 * 24 * 3600 * 1000
+
+
+def stamped(markers: str, topic: str, marker: Marker, timestamp: int) -> Outgoing:
+    return Outgoing(
+        markers,
+        encode_marker(marker),
+        marker_key(topic, marker.origin_partition),
+        markers_partition(topic, marker.origin_partition, MARKERS_PARTITIONS),
+        timestamp,
+    )
+
+
 async def test_absurd_but_valid_markers_are_handled(
     kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
 ) -> None:
     topic = await topic_factory(partitions=1, prefix="absurd-queue")
-    markers = await topic_factory(partitions=MARKERS_PARTITIONS, prefix="absurd-markers")
+    # CreateTime: the writers' stamps are what this test is about (and Apache's default).
+    markers = await topic_factory(
+        partitions=MARKERS_PARTITIONS,
+        prefix="absurd-markers",
+        configs={"message.timestamp.type": "CreateTime"},
+    )
     group = unique_topic("absurd")
     positions = [
         MessageId(topic, p, o)
         for p, o in await produce_bulk(
-            kafka_bootstrap, [Outgoing(topic, b"m%d" % i, b"k%d" % i) for i in range(4)]
+            kafka_bootstrap, [Outgoing(topic, b"m%d" % i, b"k%d" % i) for i in range(5)]
         )
     ]
-    future, past, longest, delayed = positions
+    future, past, longest, delayed, delayed_ahead = positions
     beyond = MessageId(topic, 0, 2**63 - 1)
     now_ms = int(time.time() * 1000)
-    year_ms = 365 * 24 * 3600 * 1000
+    ahead_ms = now_ms + WRITER_AHEAD_MS
     cases = [
         # (marker, record timestamp)
-        (Marker.start(group, future, timeout_ms=60_000), now_ms + 200 * year_ms),
-        (Marker.start(group, past, timeout_ms=3_600_000), now_ms - 55 * year_ms),
+        (Marker.start(group, future, timeout_ms=60_000), ahead_ms),
+        (Marker.start(group, past, timeout_ms=3_600_000), now_ms - 55 * YEAR_MS),
         (Marker.start(group, longest, timeout_ms=MAX_TIMEOUT_MS), now_ms),
         (Marker.delay(group, delayed, delay_ms=MAX_DELAY_MS, reason="later"), now_ms),
+        (Marker.delay(group, delayed_ahead, delay_ms=MAX_DELAY_MS, reason="later"), ahead_ms),
         (Marker.start(group, beyond, timeout_ms=1), now_ms - 60_000),
     ]
-    await produce_bulk(
-        kafka_bootstrap,
-        [
-            Outgoing(
-                markers,
-                encode_marker(marker),
-                marker_key(topic, marker.origin_partition),
-                markers_partition(topic, marker.origin_partition, MARKERS_PARTITIONS),
-                timestamp,
-            )
-            for marker, timestamp in cases
-        ],
-    )
+    await produce_bulk(kafka_bootstrap, [stamped(markers, topic, m, ts) for m, ts in cases])
     url = sqlite_url(tmp_path / "absurd.sqlite3")
     async with tracker_on(
         kafka_bootstrap,
@@ -310,9 +336,11 @@ async def test_absurd_but_valid_markers_are_handled(
         e_future = await entry(future)
         e_longest = await entry(longest)
         e_delayed = await entry(delayed)
+        e_delayed_ahead = await entry(delayed_ahead)
         e_beyond = await entry(beyond)
         health = await tracker.health()
-    # A record timestamp 200 years ahead is clamped to the tracker's clock: due in ~60 s.
+    # A record stamped 50 minutes ahead is clamped to the tracker's clock: due in ~60 s, not
+    # in 51 minutes (a writer clock running ahead must not make a lease longer).
     assert e_future is not None
     assert e_future.due_at_ms is not None
     assert now_ms + 50_000 <= e_future.due_at_ms <= loaded_at + 60_000
@@ -325,7 +353,93 @@ async def test_absurd_but_valid_markers_are_handled(
     assert e_delayed.due_at_ms is not None
     assert e_delayed.due_at_ms >= now_ms + MAX_DELAY_MS - 1000
     assert e_delayed.keep_payload, "a ten-year delay outlives any retention: keep the payload"
+    # The furthest a marker reaches is the field limit from the tracker's clock, whatever the
+    # writer's clock says: ten years from receipt, not ten years from 50 minutes ahead.
+    assert e_delayed_ahead is not None
+    assert e_delayed_ahead.state is State.DELAYED
+    assert e_delayed_ahead.due_at_ms is not None
+    assert now_ms + MAX_DELAY_MS - 1000 <= e_delayed_ahead.due_at_ms <= loaded_at + MAX_DELAY_MS
     # Offset 2^63-1 never existed: recorded as lost with the reason, not retried forever.
     assert e_beyond is not None
     assert "unreadable" in e_beyond.reason, e_beyond.reason
     assert health.ready, health
+
+
+async def test_a_writer_clock_centuries_ahead_is_harmless_on_a_log_append_time_topic(
+    kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
+) -> None:
+    """The markers topic as the tracker creates it: any writer stamp is accepted (Apache does
+    not check stamps with LogAppendTime) and the lease counts from about now (Apache stamps
+    the append time; tansu keeps the writer's stamp, which the tracker clamps)."""
+    topic = await topic_factory(partitions=1, prefix="ahead-queue")
+    markers = await topic_factory(
+        partitions=MARKERS_PARTITIONS,
+        prefix="ahead-markers",
+        configs={"message.timestamp.type": "LogAppendTime"},
+    )
+    group = unique_topic("ahead")
+    [(partition, offset)] = await produce_bulk(kafka_bootstrap, [Outgoing(topic, b"m", b"k")])
+    message = MessageId(topic, partition, offset)
+    now_ms = int(time.time() * 1000)
+    start = Marker.start(group, message, timeout_ms=60_000)
+    await produce_bulk(kafka_bootstrap, [stamped(markers, topic, start, now_ms + 200 * YEAR_MS)])
+    async with tracker_on(
+        kafka_bootstrap, sqlite_url(tmp_path / "ahead.sqlite3"), markers
+    ) as tracker:
+
+        async def applied() -> Any:
+            return await tracker.store.get_entry((group, topic, partition, offset))
+
+        await wait_until(applied, within=40, what="the START stamped 200 years ahead applied")
+        loaded_at = int(time.time() * 1000)
+        entry = await applied()
+    assert entry.due_at_ms is not None
+    assert now_ms + 50_000 <= entry.due_at_ms <= loaded_at + 60_000
+
+
+async def test_a_marker_too_large_for_the_invalid_topic_does_not_stall_ingest(
+    kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
+) -> None:
+    """Ingest moves past refused markers only once they are parked. On Apache Kafka the invalid
+    topic below refuses the 4 kB garbage record (MESSAGE_TOO_LARGE): it is parked as a stub
+    and the START after it is applied; tansu has no size limit and parks it whole."""
+    topic = await topic_factory(partitions=1, prefix="big-queue")
+    markers = await topic_factory(partitions=1, prefix="big-markers")
+    await create_topics(
+        kafka_bootstrap, {f"{markers}.invalid": 1}, configs={"max.message.bytes": "2048"}
+    )
+    valid = Marker.start("big", MessageId(topic, 0, 7), timeout_ms=3_600_000)
+    async with AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all") as producer:
+        await producer.send_and_wait(markers, b"\x7f" * 4000, key=b"big", partition=0)
+        await producer.send_and_wait(markers, encode_marker(valid), partition=0)
+    try:
+        async with tracker_on(
+            kafka_bootstrap, sqlite_url(tmp_path / "big.sqlite3"), markers, markers_partitions=1
+        ) as tracker:
+
+            async def past_it() -> bool:
+                offsets = await store_offsets(tracker.store, markers)
+                return offsets.get(0, -1) >= 2
+
+            await wait_until(
+                past_it,
+                within=30,
+                what=f"ingest past the oversized marker ({tracker.ingest.last_error})",
+            )
+            health = await tracker.health()
+            entry = await tracker.store.get_entry(("big", topic, 0, 7))
+        parked = await read_topic(kafka_bootstrap, f"{markers}.invalid")
+    finally:
+        await delete_topics(kafka_bootstrap, [f"{markers}.invalid"])
+    assert health.running, health
+    assert entry is not None, "the START after the oversized marker was not applied"
+    assert len(parked) == 1
+    [record] = parked
+    assert record.header(INVALID_SOURCE) == f"{markers}/0/0".encode()
+    stub = record.header(INVALID_STUB)
+    if stub is None:  # taken whole (tansu)
+        assert record.value == b"\x7f" * 4000
+    else:  # refused whole, parked as a stub (Apache Kafka)
+        assert b"MessageSizeTooLarge" in stub, stub
+        assert record.value in (b"", None)
+        assert record.header(INVALID_SIZE) == b"4003"

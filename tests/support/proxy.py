@@ -18,6 +18,11 @@ Use as a context manager (sync or async)::
     with TcpProxy("127.0.0.1", broker_port) as proxy:
         bootstrap = proxy.address       # "127.0.0.1:<port>"
         proxy.drop(); ...; proxy.resume()
+
+Subclasses may open more listeners on the proxy's loop (``_listen``: one per upstream, all in
+the same mode) and look inside the byte stream (``_forward``): see
+:class:`support.kafka_proxy.KafkaProxy`, which keeps Kafka clients behind the proxy in front of
+a cluster whose advertised listeners it cannot change.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import ipaddress
 import socket
 import struct
@@ -83,14 +89,18 @@ class TcpProxy:
     """Forward ``127.0.0.1:<listen_port>`` to ``upstream_host:upstream_port``; cut on demand."""
 
     def __init__(self, upstream_host: str, upstream_port: int, *, listen_port: int = 0) -> None:
-        if not _is_loopback(upstream_host):
-            raise ValueError(f"TcpProxy forwards to loopback only, not {upstream_host!r}")
+        self._check_upstream(upstream_host)
         self.upstream_host = upstream_host
         self.upstream_port = upstream_port
         self._listen_port = listen_port
         self._mode = Mode.PASS
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
+        #: every listener, by the upstream ``(host, port)`` it forwards to
+        self._servers: dict[tuple[str, int], asyncio.Server] = {}
+        self._listening: asyncio.Lock | None = (
+            None  #: one listener per upstream, even if asked twice
+        )
         self._thread: threading.Thread | None = None
         self._links: set[_Link] = set()
         self._flowing: asyncio.Event | None = None  #: set while in pass mode
@@ -100,6 +110,11 @@ class TcpProxy:
         self.stats = ProxyStats()
         #: (monotonic time, mode) of every mode change, for reports.
         self.history: list[tuple[float, Mode]] = []
+
+    @classmethod
+    def _check_upstream(cls, host: str) -> None:
+        if not _is_loopback(host):
+            raise ValueError(f"TcpProxy forwards to loopback only, not {host!r}")
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -197,24 +212,48 @@ class TcpProxy:
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._stopped = asyncio.Event()
+        self._listening = asyncio.Lock()
         try:
-            self._server = await asyncio.start_server(
-                self._accept, "127.0.0.1", self._listen_port, reuse_address=True
-            )
+            await self._listen(self.upstream_host, self.upstream_port, self._listen_port)
         except OSError as exc:
             self._startup_error = exc
             self._ready.set()
             return
+        self._server = self._servers[(self.upstream_host, self.upstream_port)]
         self._ready.set()
         try:
             await self._stopped.wait()
         finally:
-            self._server.close()
+            servers = list(self._servers.values())
+            for server in servers:
+                server.close()
             links = list(self._links)
             for link in links:
                 link.abort()
             await asyncio.gather(*(t for link in links for t in link.pumps), return_exceptions=True)
-            await self._server.wait_closed()
+            for server in servers:
+                await server.wait_closed()
+
+    async def _listen(self, host: str, port: int, listen_port: int = 0) -> int:
+        """The loopback port that forwards to ``host:port``; opens a listener the first time.
+
+        Runs on the proxy's loop. Every listener shares the mode: ``drop()`` and ``stall()``
+        cut them all.
+        """
+        assert self._listening is not None
+        async with self._listening:
+            server = self._servers.get((host, port))
+            if server is None:
+                self._check_upstream(host)
+                server = await asyncio.start_server(
+                    functools.partial(self._accept, (host, port)),
+                    "127.0.0.1",
+                    listen_port,
+                    reuse_address=True,
+                )
+                self._servers[(host, port)] = server
+        bound: int = server.sockets[0].getsockname()[1]
+        return bound
 
     def _switch(self, mode: Mode) -> None:
         loop = self._loop
@@ -243,7 +282,12 @@ class TcpProxy:
                 link.abort()
             self._links.clear()
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(
+        self,
+        upstream: tuple[str, int],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
         self.stats.accepted += 1
         if self._mode is Mode.DROP:
             self.stats.refused += 1
@@ -252,43 +296,53 @@ class TcpProxy:
         link = _Link(reader, writer)
         self._links.add(link)
         try:
-            await self._serve(link)
+            await self._serve(link, upstream)
         except OSError:
             pass  # upstream refused (the broker is down): the client sees a reset
         finally:
             self._links.discard(link)
             link.abort()
 
-    async def _serve(self, link: _Link) -> None:
-        assert self._flowing is not None
+    async def _serve(self, link: _Link, upstream: tuple[str, int]) -> None:
         # Stall mode: held here, unconnected, until resume (or drop).
-        if not await _first(self._flowing, link.dropped):
+        if not await self._gate(link):
             return
-        upstream_reader, upstream_writer = await asyncio.open_connection(
-            self.upstream_host, self.upstream_port
-        )
+        upstream_reader, upstream_writer = await asyncio.open_connection(*upstream)
         link.upstream_writer = upstream_writer
         if link.dropped.is_set():  # dropped while connecting
             _reset(upstream_writer)
             return
-        link.pumps = [
+        link.pumps = self._forward(link, upstream_reader, upstream_writer)
+        # Either direction closing ends the link (Kafka connections are full duplex).
+        await asyncio.wait(link.pumps, return_when=asyncio.FIRST_COMPLETED)
+
+    def _forward(
+        self,
+        link: _Link,
+        upstream_reader: asyncio.StreamReader,
+        upstream_writer: asyncio.StreamWriter,
+    ) -> list[asyncio.Task[None]]:
+        """The tasks that move bytes between ``link``'s client and its upstream connection."""
+        return [
             asyncio.create_task(self._pump(link.client_reader, upstream_writer, link)),
             asyncio.create_task(self._pump(upstream_reader, link.client_writer, link)),
         ]
-        # Either direction closing ends the link (Kafka connections are full duplex).
-        await asyncio.wait(link.pumps, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _gate(self, link: _Link) -> bool:
+        """Wait while stalled; True to go on forwarding, False once ``link`` is dropped."""
+        assert self._flowing is not None
+        return await _first(self._flowing, link.dropped)
 
     async def _pump(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link
     ) -> None:
-        assert self._flowing is not None
         try:
             while True:
                 data = await reader.read(_CHUNK)
                 if not data:
                     break
                 # Stall: hold the bytes (the sender's socket buffers fill up) until resume.
-                if not await _first(self._flowing, link.dropped):
+                if not await self._gate(link):
                     break
                 writer.write(data)
                 self.stats.forwarded_bytes += len(data)
@@ -296,9 +350,7 @@ class TcpProxy:
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
-            with contextlib.suppress(OSError):
-                if writer.can_write_eof():
-                    writer.write_eof()
+            _end(writer)
 
 
 async def _first(flowing: asyncio.Event, dropped: asyncio.Event) -> bool:
@@ -314,6 +366,13 @@ async def _first(flowing: asyncio.Event, dropped: asyncio.Event) -> bool:
         for waiter in waits:
             waiter.cancel()
     return not dropped.is_set()
+
+
+def _end(writer: asyncio.StreamWriter) -> None:
+    """Half-close (FIN) what the pump was writing to: the peer sees the end of the stream."""
+    with contextlib.suppress(OSError):
+        if writer.can_write_eof():
+            writer.write_eof()
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:

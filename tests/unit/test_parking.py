@@ -1,13 +1,33 @@
-"""How refused markers are logged: a bounded number of lines, however much garbage arrives."""
+"""Parking refused markers: a bounded number of log lines, however much garbage arrives; what
+reaches the invalid topic, and what happens when the broker refuses it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+from aiokafka.errors import (
+    InvalidTimestampError,
+    KafkaConnectionError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RequestTimedOutError,
+)
 
-from tracker.engine.parking import LOG_EACH_PER_WINDOW, LOG_WINDOW_S, InvalidMarkerParker, Rejected
+from tracker.engine.parking import (
+    INVALID_CATEGORY,
+    INVALID_SIZE,
+    INVALID_SOURCE,
+    INVALID_STUB,
+    INVALID_TIMESTAMP,
+    LOG_EACH_PER_WINDOW,
+    LOG_WINDOW_S,
+    InvalidMarkerParker,
+    Rejected,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -70,3 +90,142 @@ def test_a_flood_logs_a_few_lines_then_one_summary_per_batch(
         "invalid marker at m/0/507",
         "invalid marker at m/0/508",
     ]
+
+
+# -- what reaches the invalid topic, and when the broker refuses it ------------------------------
+
+
+class FakeBatch:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.records: list[dict[str, Any]] = []
+        self.size = 0
+
+    def append(
+        self,
+        *,
+        key: bytes | None,
+        value: bytes | None,
+        timestamp: int | None,
+        headers: list[tuple[str, bytes]],
+    ) -> object | None:
+        size = len(key or b"") + len(value or b"") + sum(len(k) + len(v) for k, v in headers)
+        if self.records and self.size + size > self.limit:
+            return None  # full
+        self.records.append(
+            {"key": key, "value": value, "timestamp": timestamp, "headers": headers}
+        )
+        self.size += size
+        return object()
+
+    def close(self) -> None:
+        pass
+
+
+class FakeBroker:
+    """An aiokafka producer on a broker that refuses batches holding a value over
+    ``max_value`` bytes (MESSAGE_TOO_LARGE), or fails every batch with ``fail``."""
+
+    def __init__(self, *, max_value: int = 1000, fail: type[KafkaError] | None = None) -> None:
+        self.max_value = max_value
+        self.fail = fail
+        self.accepted: list[dict[str, Any]] = []
+        self.batches = 0
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        return {0}
+
+    def create_batch(self) -> FakeBatch:
+        return FakeBatch(16_384)
+
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> Any:
+        self.batches += 1
+        future = asyncio.get_running_loop().create_future()
+        if self.fail is not None:
+            future.set_exception(self.fail())
+        elif any(len(r["value"] or b"") > self.max_value for r in batch.records):
+            future.set_exception(MessageSizeTooLargeError())
+        else:
+            self.accepted.extend(batch.records)
+            future.set_result(None)
+        return future
+
+
+@dataclass
+class Consumed:
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp: int
+
+
+FAR_AHEAD = 1_754_000_000_000 + 200 * 365 * 24 * 3600 * 1000  #: a writer clock 200 years ahead
+
+
+def garbage(*sizes: int) -> list[Rejected]:
+    return [
+        Rejected(
+            Consumed(0, i, b"k", b"\x7f" * size, FAR_AHEAD + i), "unknown version", "malformed"
+        )
+        for i, size in enumerate(sizes)
+    ]
+
+
+def by_source(accepted: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for record in accepted:
+        source = dict(record["headers"])[INVALID_SOURCE].decode()
+        assert source not in out, f"{source} parked twice"
+        out[source] = record
+    return out
+
+
+async def test_the_copy_is_stamped_when_parked_and_the_original_stamp_is_a_header() -> None:
+    """A timestamp a broker would refuse (200 years ahead) is never copied onto the record."""
+    broker = FakeBroker()
+    await InvalidMarkerParker(broker, "m.invalid", "m").park(garbage(10, 20))
+    parked = by_source(broker.accepted)
+    assert set(parked) == {"m/0/0", "m/0/1"}
+    for offset, record in enumerate(parked.values()):
+        assert record["timestamp"] is None  # the producer (or the broker) stamps it now
+        assert dict(record["headers"])[INVALID_TIMESTAMP] == str(FAR_AHEAD + offset).encode()
+        assert record["value"] == b"\x7f" * (10, 20)[offset]
+    assert broker.batches == 1
+
+
+async def test_a_record_the_broker_refuses_for_its_content_does_not_stall_parking() -> None:
+    """Ingest moves past refused markers only once they are parked: a record the invalid
+    topic will never take must end as a stub there, not fail the park for ever."""
+    broker = FakeBroker(max_value=1000)
+    await InvalidMarkerParker(broker, "m.invalid", "m").park(garbage(10, 5000, 20, 30))
+    parked = by_source(broker.accepted)
+    assert set(parked) == {"m/0/0", "m/0/1", "m/0/2", "m/0/3"}, "each one, once"
+    for source in ("m/0/0", "m/0/2", "m/0/3"):  # refused with it, taken alone: kept whole
+        assert parked[source]["value"].startswith(b"\x7f"), source
+        assert INVALID_STUB not in dict(parked[source]["headers"])
+    stub = parked["m/0/1"]
+    headers = dict(stub["headers"])
+    assert (stub["key"], stub["value"]) == (None, b"")
+    assert b"MessageSizeTooLargeError" in headers[INVALID_STUB]
+    assert headers[INVALID_SIZE] == b"5001"
+    assert headers[INVALID_CATEGORY] == b"malformed"
+    assert headers[INVALID_TIMESTAMP] == str(FAR_AHEAD + 1).encode()
+
+
+@pytest.mark.parametrize("error", [KafkaConnectionError, RequestTimedOutError])
+async def test_a_failure_that_is_not_about_the_records_is_raised(error: type[KafkaError]) -> None:
+    """Ingest then reads the partitions again after a backoff: nothing is dropped."""
+    broker = FakeBroker(fail=error)
+    with pytest.raises(error):
+        await InvalidMarkerParker(broker, "m.invalid", "m").park(garbage(10))
+    assert broker.accepted == []
+
+
+async def test_a_stub_the_broker_refuses_too_is_raised() -> None:
+    """Every record refused for its stamp, even a stub stamped now: the tracker's own clock
+    is out of the broker's range. Parking cannot succeed; ingest retries and says why."""
+    broker = FakeBroker(fail=InvalidTimestampError)
+    with pytest.raises(InvalidTimestampError):
+        await InvalidMarkerParker(broker, "m.invalid", "m").park(garbage(10, 20))
+    assert broker.accepted == []

@@ -4,6 +4,17 @@ A marker the tracker cannot use (malformed, unknown topic, or valid but not appl
 as a stale or unmatched one) is never silently skipped: it is counted, logged with its
 position, and its raw bytes are produced to the invalid-markers topic with headers saying
 where it came from and why it was refused.
+
+The parked copy is a new record stamped when it is parked (the producer's clock, or the
+broker's with ``LogAppendTime``); the refused record's own timestamp, which may be anything a
+writer put there, is kept in the ``kmq-invalid-timestamp`` header instead, so a broker that
+bounds timestamps (``message.timestamp.after.max.ms``, one hour by default since Kafka 4.0)
+never refuses the copy for it. Ingest waits for the parked copies before it moves past the
+originals, so a copy the broker refuses *for its content* would stall ingest on it for ever:
+such a record (too large for the invalid topic, say) is parked again alone, and if the broker
+still refuses it, as a stub: the headers, the error, no key or value. Any other failure
+(broker unreachable, the tracker's own clock refused) is raised, and ingest reads the
+partitions again after a backoff.
 """
 
 from __future__ import annotations
@@ -16,7 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aiokafka.errors import KafkaError
+from aiokafka.errors import (
+    CorruptRecordException,
+    InvalidTimestampError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
 
 from tracker.protocol import encode_marker
 from tracker.store.manager import PendingMarker
@@ -26,6 +44,22 @@ log = logging.getLogger(__name__)
 INVALID_REASON = "kmq-invalid-reason"
 INVALID_CATEGORY = "kmq-invalid-category"
 INVALID_SOURCE = "kmq-invalid-source"
+#: The refused record's own timestamp (decimal ms; the parked copy is stamped when parked).
+INVALID_TIMESTAMP = "kmq-invalid-timestamp"
+#: On a stub: why the broker refused the raw record, and the size of its key + value.
+INVALID_STUB = "kmq-invalid-stub"
+INVALID_SIZE = "kmq-invalid-size"
+
+#: Broker refusals of a parked record for what it contains: sending the same bytes again can
+#: never succeed. A stamp the broker finds out of range is one of them: the producer's clock
+#: stamps the stub too, so a stub refused for it means the tracker's clock is off (raised).
+REFUSED_CONTENT: tuple[type[KafkaError], ...] = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    CorruptRecordException,
+    InvalidTimestampError,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +67,15 @@ class Rejected:
     record: Any  #: the markers record as consumed
     reason: str
     category: str  #: malformed | unknown_topic | anomaly
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Parked:
+    """One record to produce to the invalid topic (compared and hashed by identity)."""
+
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
 
 
 #: Refused markers logged one line each per window; the rest of the window is summed up.
@@ -118,38 +161,98 @@ class InvalidMarkerParker:
         self._next_partition += 1
         return int(partitions[self._next_partition % len(partitions)])
 
+    def _parked(self, item: Rejected) -> _Parked:
+        record = item.record
+        headers = self._headers(item.category, item.reason, record.partition, record.offset)
+        timestamp = getattr(record, "timestamp", None)
+        if timestamp is not None:
+            headers.append((INVALID_TIMESTAMP, str(timestamp).encode()))
+        value, key = record.value, record.key
+        if value is None and key is None:
+            # Kafka clients refuse a record with neither key nor value: park an empty
+            # value and say that it was a tombstone.
+            value = b""
+            headers.append((INVALID_CATEGORY + "-tombstone", b"1"))
+        return _Parked(key, value, headers)
+
     async def park(self, rejected: Sequence[Rejected]) -> None:
         """Produce the raw records and wait for the broker; raises ``KafkaError`` if it fails.
 
         The records go out as whole batches (one per ``max_batch_size``) rather than one
         ``send`` each: a markers batch that is half garbage must not be slowed down by it.
+        A batch refused for its content (``REFUSED_CONTENT``) is parked again one record at
+        a time, and a record refused alone is parked as a stub (see the module docstring).
         """
         if not rejected:
             return
         self._log(rejected)
         partition = await self._partition()
-        futures = []
-        batch = self._producer.create_batch()
-        for item in rejected:
-            record = item.record
-            headers = self._headers(item.category, item.reason, record.partition, record.offset)
-            value, key = record.value, record.key
-            if value is None and key is None:
-                # Kafka clients refuse a record with neither key nor value: park an empty
-                # value and say that it was a tombstone.
-                value = b""
-                headers = [*headers, (INVALID_CATEGORY + "-tombstone", b"1")]
-            if batch.append(key=key, value=value, timestamp=None, headers=headers) is None:
+        parked = [self._parked(item) for item in rejected]
+        refused = await self._send_batches(parked, partition)
+        if not refused:
+            return
+        alone = await asyncio.gather(
+            *(self._send_batches([one], partition) for one in refused),
+        )
+        errors = [(one, error) for sent in alone for one, error in sent.items()]
+        if not errors:
+            return
+        for one, error in errors:
+            source = dict(one.headers).get(INVALID_SOURCE, b"?").decode()
+            log.warning(
+                "the broker refuses the raw record of invalid marker %s (%r); parking a stub "
+                "without its key and value on %s",
+                source,
+                error,
+                self._topic,
+            )
+        stubs = [
+            _Parked(
+                None,
+                b"",
+                [
+                    *one.headers,
+                    (INVALID_STUB, repr(error).encode("utf-8", "replace")[:512]),
+                    (INVALID_SIZE, str(len(one.value or b"") + len(one.key or b"")).encode()),
+                ],
+            )
+            for one, error in errors
+        ]
+        stub_errors = await self._send_batches(stubs, partition)
+        if stub_errors:
+            raise next(iter(stub_errors.values()))
+
+    async def _send_batches(
+        self, parked: Sequence[_Parked], partition: int
+    ) -> dict[_Parked, KafkaError]:
+        """Produce ``parked`` in as few batches as fit and wait for every one.
+
+        Returns the records of the batches the broker refused for their content, with the
+        error; raises ``KafkaError`` for any other failure.
+        """
+        producer, topic = self._producer, self._topic
+        sent: list[tuple[list[_Parked], Any]] = []
+        members: list[_Parked] = []
+        batch = producer.create_batch()
+        for one in parked:
+            record = {"key": one.key, "value": one.value, "timestamp": None, "headers": one.headers}
+            if batch.append(**record) is None:
                 batch.close()
-                futures.append(
-                    await self._producer.send_batch(batch, self._topic, partition=partition)
-                )
-                batch = self._producer.create_batch()
+                sent.append((members, await producer.send_batch(batch, topic, partition=partition)))
+                members, batch = [], producer.create_batch()
                 # The first record of an empty batch is always taken, whatever its size.
-                batch.append(key=key, value=value, timestamp=None, headers=headers)
+                batch.append(**record)
+            members.append(one)
         batch.close()  # complete: sent without lingering
-        futures.append(await self._producer.send_batch(batch, self._topic, partition=partition))
-        await asyncio.gather(*futures)
+        sent.append((members, await producer.send_batch(batch, topic, partition=partition)))
+        results = await asyncio.gather(*(future for _, future in sent), return_exceptions=True)
+        refused: dict[_Parked, KafkaError] = {}
+        for (group, _), result in zip(sent, results, strict=True):
+            if isinstance(result, REFUSED_CONTENT):
+                refused.update((one, result) for one in group)
+            elif isinstance(result, BaseException):
+                raise result
+        return refused
 
     async def park_anomalies(self, anomalies: Sequence[tuple[PendingMarker, str]]) -> None:
         """Best effort: these markers are valid and already accounted for in the store."""
