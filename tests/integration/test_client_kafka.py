@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from support.broker import unique_topic
 
 from tracker.client import KmqConsumer, KmqMessage, KmqProducer
 from tracker.clock import ManualClock
 from tracker.errors import InvalidDelay, InvalidHeader, MarkerWriteFailed
 from tracker.headers import KmqHeaders
 from tracker.ids import MessageId
+from tracker.kafka.admin import topic_partitions
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import MarkerKind
 from tracker.testing import InMemoryMarkerSink
@@ -343,3 +345,16 @@ async def test_producer_refuses_bad_delays_and_reserved_headers(kafka_bootstrap:
             await producer.send("t", b"x", delay=timedelta(seconds=-1))
         with pytest.raises(InvalidHeader, match="reserved prefix"):
             await producer.send("t", b"x", headers=[("kmq-attempt", b"9")])
+
+
+async def test_a_missing_markers_topic_is_an_error_and_is_not_created(
+    kafka_bootstrap: str, topic_factory: Callable[..., Awaitable[str]]
+) -> None:
+    """A consumer started before the tracker must not auto-create the markers topic: the
+    broker would give it ``num.partitions`` and CreateTime, not what the tracker asks for."""
+    topic = await topic_factory(partitions=1)
+    markers = unique_topic("no-markers-yet")
+    with pytest.raises(MarkerWriteFailed, match="does not exist: start the tracker first"):
+        async with consumer_for(kafka_bootstrap, topic, markers):
+            pass
+    assert await topic_partitions(kafka_bootstrap, markers) is None

@@ -83,15 +83,26 @@ class KafkaMarkerSink:
         return self._topic
 
     async def start(self) -> None:
-        """Learn the markers topic's partition count (it must not change while we run)."""
+        """Learn the markers topic's partition count (it must not change while we run).
+
+        Existence is asked with an all-topics metadata request first: a request naming the
+        topic (what ``partitions_for`` sends) makes a broker with ``auto.create.topics.enable``
+        (Apache Kafka's default) create it on the spot, with ``num.partitions`` (1) and
+        ``CreateTime``, so a consumer started before the tracker would shape the markers
+        topic instead of the tracker (``markers_partitions``, ``LogAppendTime``).
+        """
         try:
+            cluster = await self._producer.client.fetch_all_metadata()
+            if not cluster.partitions_for_topic(self._topic):
+                raise MarkerWriteFailed(
+                    f"the markers topic {self._topic!r} does not exist: start the tracker "
+                    "first (it creates the topic), or create it as docs/protocol.md says"
+                )
             partitions = await self._producer.partitions_for(self._topic)
         except KafkaError as exc:
             raise MarkerWriteFailed(
                 f"cannot read metadata of the markers topic {self._topic!r}: {exc!r}"
             ) from exc
-        if not partitions:
-            raise MarkerWriteFailed(f"the markers topic {self._topic!r} does not exist")
         self._partitions = len(partitions)
 
     def _encode(self, marker: Marker) -> tuple[int, bytes, bytes]:
