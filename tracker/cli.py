@@ -48,12 +48,34 @@ def _one_line(exc: ValidationError) -> str:
 
 
 async def _run(settings: TrackerSettings) -> None:
+    """Run the tracker until SIGTERM/SIGINT, which stop it cleanly also while it starts.
+
+    ``Tracker.stop`` is heard only once the tracker runs, and starting can wait a long time
+    for a broker that is away (creating a topic alone waits up to 30 s). So a signal during
+    startup cancels the startup instead; ``Tracker.start`` then closes what it had opened.
+    Only the first signal acts: a second one must not interrupt that cleanup.
+    """
     from tracker.engine.process import Tracker  # noqa: PLC0415 - keep `--help` fast
 
     tracker = Tracker(settings)
+    startup = asyncio.create_task(tracker.start(), name="kmq-startup")
+    signalled = False
+
+    def stop() -> None:
+        nonlocal signalled
+        if not signalled:
+            signalled = True
+            tracker.stop()
+            startup.cancel()  # no effect once started
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, tracker.stop)
+        loop.add_signal_handler(sig, stop)
+    await asyncio.wait({startup})
+    if startup.cancelled():
+        log.info("stopped while starting")
+        return
+    startup.result()  # a failed start raises here
     await tracker.run()
 
 

@@ -192,6 +192,15 @@ async def demo(bootstrap: str, workdir: Path, duration: float | None) -> Counter
 
 
 def run_demo(duration: float | None = None, workdir: str | None = None) -> int:
+    """Run the demo; stop in order on Ctrl-C/SIGTERM: workload, tracker, then the broker.
+
+    The local broker runs in its own session (the terminal's Ctrl-C does not reach it), so it
+    serves the clients until they closed, and the ``finally`` stops it on every way out. Once
+    ``demo`` runs, Ctrl-C and SIGTERM ask it to wind down; until then (the broker starting),
+    SIGTERM interrupts like Ctrl-C instead of killing the process, which would leave the
+    broker running.
+    """
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # aiokafka logs each refused connection while the local broker starts: not news here.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     directory = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kmq-demo-"))
@@ -207,6 +216,6 @@ def run_demo(duration: float | None = None, workdir: str | None = None) -> int:
     finally:
         if broker is not None:
             broker.stop()
-    summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "no job yet"
     print(f"demo stopped cleanly: {summary}", flush=True)
     return 0

@@ -46,7 +46,11 @@ def tansu_binary() -> str:
 
 
 class LocalBroker:
-    """``with LocalBroker() as broker: broker.bootstrap_servers``."""
+    """``with LocalBroker() as broker: broker.bootstrap_servers``.
+
+    The broker runs in its own session, out of reach of the terminal's signals: only ``stop``
+    (or leaving the ``with`` block) ends it, so call it on every way out.
+    """
 
     def __init__(self, startup_timeout: float = 20.0) -> None:
         self.port = _free_port()
@@ -76,6 +80,10 @@ class LocalBroker:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            # Own session: a terminal's Ctrl-C (SIGINT to the whole foreground process group)
+            # must not kill the broker under clients that are still closing; whoever started
+            # it stops it, after them (``stop``).
+            start_new_session=True,
         )
         try:
             asyncio.run(self._wait_ready())

@@ -3,6 +3,10 @@
 The demo starts its own tansu broker, so these tests need neither the session broker nor a
 database. With ``KAFKA_BOOTSTRAP_SERVERS`` set (the suite runs against an external cluster)
 the variable is passed through and the demo uses that cluster instead.
+
+The demo runs in its own session and is stopped as a terminal stops a foreground job: SIGINT
+to its whole process group. Its narration and summary go to stdout; a clean stop leaves
+stderr empty (no traceback, no "Unclosed AIOKafka..." complaint) and its own broker stopped.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -35,13 +40,14 @@ def demo_env() -> dict[str, str]:
 
 
 class Demo:
-    """The demo as a subprocess; its output (stdout and stderr) collected line by line."""
+    """The demo as a subprocess in its own session; stdout and stderr collected line by line."""
 
     def __init__(self, *args: str) -> None:
         self.args = args
-        self.lines: list[str] = []
+        self.lines: list[str] = []  #: stdout
+        self.errors: list[str] = []  #: stderr
         self.process: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task[None] | None = None
+        self._readers: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Demo:
         self.process = await asyncio.create_subprocess_exec(
@@ -54,28 +60,38 @@ class Demo:
             cwd=str(ROOT),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
         )
-        self._reader = asyncio.create_task(self._read())
+        assert self.process.stdout is not None
+        assert self.process.stderr is not None
+        self._readers = [
+            asyncio.create_task(self._read(self.process.stdout, self.lines)),
+            asyncio.create_task(self._read(self.process.stderr, self.errors)),
+        ]
         return self
 
-    async def _read(self) -> None:
-        assert self.process is not None
-        assert self.process.stdout is not None
-        async for raw in self.process.stdout:
-            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+    @staticmethod
+    async def _read(stream: asyncio.StreamReader, into: list[str]) -> None:
+        async for raw in stream:
+            into.append(raw.decode(errors="replace").rstrip("\n"))
 
     @property
     def output(self) -> str:
-        return "\n".join(self.lines)
+        err = "\n".join(self.errors)
+        return "\n".join(self.lines) + (f"\n--- stderr ---\n{err}" if err else "")
+
+    def interrupt(self) -> None:
+        """Ctrl-C as a terminal sends it: SIGINT to every process in the foreground group."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGINT)
 
     async def wait(self, within: float) -> int:
         """Wait for the exit (and the end of its output); returns the exit code."""
         assert self.process is not None
-        assert self._reader is not None
         try:
             code = await asyncio.wait_for(self.process.wait(), within)
-            await asyncio.wait_for(self._reader, 10)
+            await asyncio.wait_for(asyncio.gather(*self._readers), 10)
         except TimeoutError:
             raise AssertionError(
                 f"the demo did not exit within {within:.0f}s; output:\n{self.output}"
@@ -96,18 +112,30 @@ class Demo:
         return [line for line in self.lines if regex.search(line)]
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.kill()
-            await self.process.wait()
-        if self._reader is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._reader, 10)
+        """After a failure: SIGTERM (the demo still stops its broker), SIGKILL as a last resort."""
+        process = self.process
+        if process is not None and process.returncode is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 30)
+            except TimeoutError:
+                os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*self._readers), 10)
 
 
 def assert_clean(demo: Demo) -> None:
+    """Summary last on stdout, nothing at all on stderr, and the demo's own broker gone."""
+    assert not demo.errors, f"stderr is not empty:\n{demo.output}"
     assert "Traceback" not in demo.output, demo.output
     assert demo.lines, "the demo printed nothing"
-    assert demo.lines[-1].startswith("demo stopped cleanly"), demo.output
+    assert re.fullmatch(r"demo stopped cleanly: \w+ \d+(, \w+ \d+)*", demo.lines[-1]), demo.output
+    if not os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
+        (announced,) = demo.matching(r"demo\s+broker \S+, store")
+        host, port = re.findall(r"broker (\S+):(\d+),", announced)[0]
+        with pytest.raises(ConnectionRefusedError):  # the broker was stopped, not leaked
+            socket.create_connection((host, int(port)), timeout=2).close()
 
 
 async def test_demo_shows_every_feature_and_stops_after_its_duration() -> None:
@@ -137,8 +165,7 @@ async def test_demo_shows_every_feature_and_stops_after_its_duration() -> None:
 async def test_demo_stops_cleanly_on_ctrl_c() -> None:
     async with Demo() as demo:
         await demo.wait_for(r"^\s*[\d.]+s\s+tracker\s", count=2, within=60)
-        assert demo.process is not None
-        demo.process.send_signal(signal.SIGINT)
+        demo.interrupt()
         code = await demo.wait(within=30)
     print(f"\n[demo, Ctrl-C]\n{demo.output}")
     assert code == 0, demo.output

@@ -362,7 +362,16 @@ class Tracker:
             self._running = False
             await self.ingest.release_all()
         with contextlib.suppress(Exception):
-            await self._consumer.stop()  # also when never started: aiokafka warns otherwise
+            try:
+                await self._consumer.stop()  # also when never started: aiokafka warns otherwise
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # this shutdown itself is being cancelled
+                # aiokafka 0.14 bug: stopped while a fetch waits out its retry backoff (the
+                # broker is away), stop() raises that fetch's own cancellation and skips
+                # closing the connections. Close them, then everything else below.
+                await self._consumer._client.close()
         await self.catalog.stop()
         await self.originals.stop()
         with contextlib.suppress(Exception):
