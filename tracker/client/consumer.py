@@ -28,6 +28,7 @@ from aiokafka.structs import OffsetAndMetadata
 from tracker.clock import Clock, SystemClock
 from tracker.errors import ClientClosed, MarkerWriteFailed
 from tracker.ids import is_valid_topic
+from tracker.kafka.clients import stop_consumer
 from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS
 
 from .markers import KafkaMarkerSink, MarkerSink
@@ -151,7 +152,7 @@ class KmqConsumer:
 
     async def _close_clients(self) -> None:
         try:
-            await self._consumer.stop()
+            await stop_consumer(self._consumer)
         finally:
             if self._producer is not None:
                 await self._producer.stop()

@@ -25,6 +25,7 @@ from tracker.engine.redeliver import Redeliverer, TrackerEvent
 from tracker.engine.redrive import RedriveRunner
 from tracker.engine.topics import TopicCatalog
 from tracker.kafka.admin import ensure_topic, topic_partitions, topic_timestamp_type
+from tracker.kafka.clients import stop_consumer
 from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
 from tracker.kafka.security import kafka_client_options
@@ -362,16 +363,7 @@ class Tracker:
             self._running = False
             await self.ingest.release_all()
         with contextlib.suppress(Exception):
-            try:
-                await self._consumer.stop()  # also when never started: aiokafka warns otherwise
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # this shutdown itself is being cancelled
-                # aiokafka 0.14 bug: stopped while a fetch waits out its retry backoff (the
-                # broker is away), stop() raises that fetch's own cancellation and skips
-                # closing the connections. Close them, then everything else below.
-                await self._consumer._client.close()
+            await stop_consumer(self._consumer)  # also when never started: aiokafka warns
         await self.catalog.stop()
         await self.originals.stop()
         with contextlib.suppress(Exception):

@@ -1,4 +1,4 @@
-"""Starting the group-less consumers the tracker uses to read records by position."""
+"""Starting and stopping aiokafka consumers despite their known faults (aiokafka 0.14)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,21 @@ async def start_positional_consumer(
         await consumer.stop()
         raise
     return consumer
+
+
+async def stop_consumer(consumer: Any) -> None:
+    """``consumer.stop()``, closing its connections also when aiokafka gives up half-way.
+
+    aiokafka 0.14: a consumer stopped while a fetch waits out its retry backoff (the broker is
+    away) has ``stop()`` raise that fetch's own ``CancelledError`` and skip closing the
+    connections, which then leak ("Unclosed AIOKafkaConsumer") and end the caller's shutdown.
+    That cancellation is not the caller's: close the connections and return. A cancellation of
+    the calling task itself is raised as usual.
+    """
+    try:
+        await consumer.stop()
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+        await consumer._client.close()
