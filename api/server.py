@@ -32,6 +32,29 @@ class _Server(uvicorn.Server):
         yield
 
 
+def bind_http(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for :func:`serve`, or :class:`ApiServerError`.
+
+    The tracker binds before it touches the database or Kafka: a port that is taken must
+    fail the start at once and without side effects, not after the replica joined the tracker
+    group (which makes the running replicas rebalance twice) and connected everything.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise ApiServerError(f"the HTTP API cannot listen on {host}:{port}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise ApiServerError(f"the HTTP API cannot listen on {host}:{port}: {reason}") from None
+    return sock
+
+
 async def serve(
     app: FastAPI,
     host: str,

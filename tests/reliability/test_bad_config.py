@@ -46,6 +46,7 @@ class Case:
     config_arg: str | None = None  #: --config value (when not a written file)
     names: tuple[str, ...] = ()  #: words the one line must contain (the setting)
     command: str = "run"  #: the kmq-tracker command to start
+    args: tuple[str, ...] = ()  #: arguments after the command
 
 
 INVALID_SETTINGS = [
@@ -113,9 +114,23 @@ def _closed_port() -> int:
     return port  # closed again: connecting is refused
 
 
-def unusable_resources(tmp: Path) -> list[Case]:
+def unusable_resources(tmp: Path, taken_port: int) -> list[Case]:
     port = _closed_port()
     return [
+        Case(
+            # Refused before the database and Kafka are touched: with the broker's port
+            # closed, getting as far as Kafka would fail on Kafka, after its timeout.
+            "HTTP port already taken",
+            {"KMQ_API_ENABLED": "true", "KMQ_HTTP_PORT": str(taken_port)},
+            names=("HTTP API", str(taken_port)),
+        ),
+        Case(
+            "migrate to an unknown revision",
+            {"KMQ_DATABASE_URL": sqlite_url(tmp / "unknown-revision.sqlite3")},
+            names=("bogus",),
+            command="migrate",
+            args=("--revision", "bogus"),
+        ),
         Case(
             "sqlite file in a missing directory",
             {"KMQ_DATABASE_URL": sqlite_url(tmp / "missing-dir" / "kmq.sqlite3")},
@@ -163,7 +178,7 @@ async def run_case(case: Case, tmp: Path, semaphore: asyncio.Semaphore) -> Outco
         }
     )
     env.update(case.env)
-    args = [sys.executable, "-m", "tracker.cli", case.command]
+    args = [sys.executable, "-m", "tracker.cli", case.command, *case.args]
     if case.toml is not None:
         directory = tmp / f"case-{abs(hash(case.id))}"
         directory.mkdir()
@@ -240,5 +255,11 @@ async def test_invalid_settings_are_refused_in_one_line(tmp_path: Path) -> None:
     assert {o.code for o in outcomes} == {2}
 
 
-async def test_unusable_database_is_reported_in_one_line(tmp_path: Path) -> None:
-    await _run_table(unusable_resources(tmp_path), tmp_path, only_line=False)
+async def test_unusable_resources_are_reported_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cases = unusable_resources(tmp_path, taken.getsockname()[1])
+        outcomes = await _run_table(cases, tmp_path, only_line=False)
+    port_taken = next(o for o in outcomes if o.case.id == "HTTP port already taken")
+    assert port_taken.seconds < 10, "a taken port must fail the start at once"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,7 @@ class Tracker:
             clock=self.clock,
         )
         self._api: Any = None
+        self._http_socket: socket.socket | None = None
         self._stopping = asyncio.Event()
         self._started = False
         self._running = False
@@ -293,6 +295,12 @@ class Tracker:
             raise
 
     async def _start(self) -> None:
+        http: socket.socket | None = None
+        if self.settings.api_enabled:
+            from api.server import bind_http  # noqa: PLC0415 - the engine works without the API
+
+            # First: a taken port fails the start before the database or Kafka is touched.
+            http = self._http_socket = bind_http(self.settings.http_host, self.settings.http_port)
         await self.prepare()
         await self._producer.start()
         await self.originals.start()
@@ -317,6 +325,7 @@ class Tracker:
                 self.settings.http_host,
                 self.settings.http_port,
                 self._stopping,
+                sockets=[http] if http is not None else None,
             )
             self._tasks.append(asyncio.create_task(server, name="kmq-api"))
         log.info(
@@ -355,6 +364,9 @@ class Tracker:
                 except Exception:
                     log.exception("task %s failed while stopping", task.get_name())
         self._tasks = []
+        if self._http_socket is not None:
+            self._http_socket.close()  # uvicorn closes it once it served; not if never served
+            self._http_socket = None
         if self._api is not None:
             await self._api.close()
             self._api = None

@@ -19,3 +19,7 @@ class Fenced(KmqError):
 
 class SchemaOutdated(KmqError):
     """The database schema is not at the version this tracker needs: run `kmq-tracker migrate`."""
+
+
+class MigrationRefused(KmqError):
+    """Alembic refused the migration asked for (an unknown revision, say): nothing was run."""

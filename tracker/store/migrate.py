@@ -10,6 +10,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -17,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import migrations
 
 from .dialects import settle_failed_sqlite
-from .errors import SchemaOutdated, StoreUnavailable
+from .errors import MigrationRefused, SchemaOutdated, StoreUnavailable
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 
@@ -56,9 +57,16 @@ def _upgrade(connection: Connection, revision: str) -> None:
 
 
 async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
-    """Bring the schema to ``revision`` (default: the latest)."""
-    async with engine.begin() as conn:
-        await conn.run_sync(_upgrade, revision)
+    """Bring the schema to ``revision`` (default: the latest).
+
+    Raises :class:`MigrationRefused` when Alembic refuses the request itself (an unknown
+    revision): a mistake to report in one line, not a traceback.
+    """
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(_upgrade, revision)
+    except CommandError as exc:
+        raise MigrationRefused(f"cannot migrate to {revision!r}: {exc}") from None
 
 
 def _current(connection: Connection) -> str | None:
