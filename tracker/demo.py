@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -203,6 +204,9 @@ def run_demo(duration: float | None = None, workdir: str | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # aiokafka logs each refused connection while the local broker starts: not news here.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    # A directory of our own (no --workdir) holds only the demo's SQLite file: removed at the
+    # end, so that demo runs do not pile up kmq-demo-* folders in the temp directory.
+    owned = workdir is None
     directory = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kmq-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
     external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
@@ -216,6 +220,8 @@ def run_demo(duration: float | None = None, workdir: str | None = None) -> int:
     finally:
         if broker is not None:
             broker.stop()
+        if owned:
+            shutil.rmtree(directory, ignore_errors=True)
     summary = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "no job yet"
     print(f"demo stopped cleanly: {summary}", flush=True)
     return 0

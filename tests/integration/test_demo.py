@@ -42,8 +42,9 @@ def demo_env() -> dict[str, str]:
 class Demo:
     """The demo as a subprocess in its own session; stdout and stderr collected line by line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, tmpdir: Path | None = None) -> None:
         self.args = args
+        self.tmpdir = tmpdir  #: the demo's TMPDIR, to check what it leaves behind
         self.lines: list[str] = []  #: stdout
         self.errors: list[str] = []  #: stderr
         self.process: asyncio.subprocess.Process | None = None
@@ -56,7 +57,7 @@ class Demo:
             "tracker.cli",
             "demo",
             *self.args,
-            env=demo_env(),
+            env={**demo_env(), **({"TMPDIR": str(self.tmpdir)} if self.tmpdir else {})},
             cwd=str(ROOT),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -162,12 +163,14 @@ async def test_demo_shows_every_feature_and_stops_after_its_duration() -> None:
         assert word in summary, summary
 
 
-async def test_demo_stops_cleanly_on_ctrl_c() -> None:
-    async with Demo() as demo:
+async def test_demo_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    async with Demo(tmpdir=tmp_path) as demo:
         await demo.wait_for(r"^\s*[\d.]+s\s+tracker\s", count=2, within=60)
         demo.interrupt()
         code = await demo.wait(within=30)
     print(f"\n[demo, Ctrl-C]\n{demo.output}")
     assert code == 0, demo.output
     assert_clean(demo)
+    # Its working directory (the SQLite store) and the broker's log are gone with it.
+    assert os.listdir(tmp_path) == []
     assert demo.matching(r"demo\s+stopping \.\.\.")
