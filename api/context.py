@@ -7,6 +7,10 @@ Two ways to get one:
   and wakes its redelivery loop after an action changed a due time.
 * :meth:`ApiContext.standalone` to serve the API alone (``create_standalone_app``): it builds
   its own store and Kafka clients from the settings, and runs redrive jobs itself.
+
+Either way, the views that show what Kafka holds (payload previews, marker history) read
+through :class:`KafkaReads`: clients of the API's own, whose every read is awaited at most
+``api_kafka_read_timeout``, so a request answers in bounded time even while the broker is away.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiokafka import AIOKafkaProducer
 
@@ -24,7 +28,9 @@ from tracker.client.markers import KafkaMarkerSink
 from tracker.clock import Clock, SystemClock, to_millis
 from tracker.engine.redeliver import OriginalsSource
 from tracker.engine.redrive import RedriveRunner
-from tracker.kafka.originals import OriginalsReader, OriginalsUnavailable
+from tracker.errors import ClientClosed
+from tracker.ids import MessageId
+from tracker.kafka.originals import Missing, OriginalRecord, OriginalsReader, OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner
 from tracker.kafka.security import kafka_client_options
 from tracker.metrics import Metrics
@@ -46,6 +52,169 @@ Closer = Callable[[], Awaitable[None]]
 #: Seconds a readiness check may take before it counts as failed.
 READINESS_TIMEOUT = 5.0
 
+#: Reads through one of :class:`KafkaReads`' clients that may be outstanding at once; a request
+#: beyond it waits (within its bound) for one to end. Reads through a client are serialized
+#: anyway (one consumer, one position per partition): more would only queue.
+MAX_PENDING_READS = 8
+
+T = TypeVar("T")
+
+
+class ReadTimedOut(OriginalsUnavailable):
+    """Kafka did not answer an API read within ``api_kafka_read_timeout`` (not known lost)."""
+
+
+def not_served(exc: OriginalsUnavailable) -> str:
+    """``payload_error`` for a record Kafka did not serve (it is not known to be lost)."""
+    return str(exc) if isinstance(exc, ReadTimedOut) else f"Kafka unavailable: {exc}"
+
+
+@dataclass(eq=False)
+class _PendingRead:
+    task: asyncio.Task[Any]
+    started: float  #: loop time
+
+
+class BoundedReads:
+    """Reads through one Kafka client, each awaited at most until the request's deadline.
+
+    Why not ``asyncio.timeout`` around the read: cancelling an aiokafka operation half-way can
+    leave the consumer in a bad state (see ``OriginalsReader.stop``), and the reader would then
+    have to be rebuilt. So a read runs as a task of its own that is never cancelled (except at
+    :meth:`close`): the request waits for it with ``asyncio.wait(..., timeout=...)``, and when
+    the deadline passes it answers without the result, while the read finishes in the
+    background (bounded by the client's own timeouts) and its result is dropped.
+
+    Abandoned reads must not pile up during a long outage, so:
+
+    * a read of the same thing (``key``) that is still running is joined, not started again:
+      an operator who reloads a view waits for the same read, and sees its result once the
+      broker answers;
+    * while a read has been running for longer than the bound, Kafka is known not to answer
+      (through this client): another read is not started, the request is answered at once;
+    * at most :data:`MAX_PENDING_READS` reads are outstanding; a request beyond that waits for
+      one to end, within its own deadline.
+    """
+
+    def __init__(self, what: str, timeout: float, *, limit: int = MAX_PENDING_READS) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, not {timeout}")
+        self.what = what
+        self.timeout = timeout
+        self.limit = limit
+        self._pending: dict[Hashable, _PendingRead] = {}
+
+    @property
+    def pending(self) -> int:
+        """Reads still running, awaited by a request or abandoned."""
+        return len(self._pending)
+
+    async def run(
+        self, key: Hashable, read: Callable[[], Coroutine[Any, Any, T]], deadline: float
+    ) -> T:
+        """``await read()``'s result, or :class:`ReadTimedOut` once the loop time ``deadline``
+        has passed (the read then goes on, see the class). ``key`` names what is read."""
+        loop = asyncio.get_running_loop()
+        while (pending := self._pending.get(key)) is None:
+            now = loop.time()
+            overdue = max((now - p.started for p in self._pending.values()), default=0.0)
+            if overdue > self.timeout:
+                raise ReadTimedOut(
+                    f"Kafka did not answer within {self.timeout:g} s (an earlier read has "
+                    f"been waiting for it for {overdue:.0f} s)"
+                )
+            if now >= deadline:
+                raise self._timed_out()
+            if len(self._pending) < self.limit:
+                pending = self._start(key, read, now)
+                break
+            waits = [p.task for p in self._pending.values()]
+            await asyncio.wait(waits, timeout=deadline - now, return_when=asyncio.FIRST_COMPLETED)
+        # Not asyncio.wait_for: that would cancel the read when the deadline passes.
+        done, _ = await asyncio.wait({pending.task}, timeout=max(deadline - loop.time(), 0.0))
+        if not done:
+            raise self._timed_out()
+        result: T = pending.task.result()
+        return result
+
+    def _timed_out(self) -> ReadTimedOut:
+        return ReadTimedOut(f"Kafka did not answer within {self.timeout:g} s")
+
+    def _start(
+        self, key: Hashable, read: Callable[[], Coroutine[Any, Any, T]], now: float
+    ) -> _PendingRead:
+        task = asyncio.create_task(read(), name=f"api {self.what} read")
+        pending = _PendingRead(task, now)
+        self._pending[key] = pending
+
+        def finished(task: asyncio.Task[Any]) -> None:
+            if self._pending.get(key) is pending:
+                del self._pending[key]
+            if task.cancelled():
+                return
+            # Retrieved here, so an abandoned read's failure is not reported as "never
+            # retrieved"; a request waiting for it still gets it from task.result().
+            error = task.exception()
+            if error is not None and not isinstance(error, OriginalsUnavailable | ClientClosed):
+                log.warning("%s read failed", self.what, exc_info=error)
+
+        task.add_done_callback(finished)
+        return pending
+
+    async def close(self) -> None:
+        """Cancel the reads still running (before their client is stopped)."""
+        tasks = [p.task for p in self._pending.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class KafkaReads:
+    """What the message and dead-letter views read from Kafka, within ``timeout`` seconds.
+
+    The API reads through clients of its own rather than the tracker's: an originals reader
+    serializes its reads, so an operator's read stuck on an unreachable partition would hold up
+    the redelivery loop (and a redelivery round the operator's read), and the engine's clients
+    keep their own, longer timeouts. The clients connect on first use and keep their default
+    timeouts (30 s): a slow read is not cut short, :class:`BoundedReads` bounds the wait.
+    """
+
+    def __init__(
+        self, bootstrap_servers: str, client_config: dict[str, Any], timeout: float
+    ) -> None:
+        self.timeout = timeout
+        self.originals = OriginalsReader(bootstrap_servers, client_config=client_config)
+        self.scanner = PartitionScanner(bootstrap_servers, client_config=client_config)
+        #: payload previews (through ``originals``) and marker histories (through ``scanner``)
+        self.payloads = BoundedReads("payload preview", timeout)
+        self.history = BoundedReads("marker history", timeout)
+        self._starting = asyncio.Lock()
+        self._closed = False
+
+    def deadline(self) -> float:
+        """The loop time by which a request's Kafka reads must have answered."""
+        return asyncio.get_running_loop().time() + self.timeout
+
+    async def fetch(self, target: MessageId, deadline: float) -> OriginalRecord | Missing | None:
+        """The record at ``target``; raises :class:`OriginalsUnavailable` (or its subclass
+        :class:`ReadTimedOut`) when Kafka does not serve it by ``deadline``."""
+        return await self.payloads.run(target, lambda: self._fetch(target), deadline)
+
+    async def _fetch(self, target: MessageId) -> OriginalRecord | Missing | None:
+        async with self._starting:
+            if self._closed:
+                raise ClientClosed("the API's Kafka reads are closed")
+            await self.originals.start()
+        return (await self.originals.fetch([target])).get(target)
+
+    async def close(self) -> None:
+        self._closed = True
+        await self.payloads.close()
+        await self.history.close()
+        async with self._starting:
+            await self.originals.stop()
+        await self.scanner.stop()
+
 
 @dataclass(eq=False)
 class ApiContext:
@@ -61,6 +230,8 @@ class ApiContext:
     scanner: PartitionScanner
     clock: Clock
     admin: AdminStore
+    #: The views' reads from Kafka, bounded by ``api_kafka_read_timeout`` (clients of their own).
+    reads: KafkaReads
     tracker: Tracker | None = None
     #: A runner to wake when a job is created; run by the app itself when ``run_redrive``.
     redrive: RedriveRunner | None = None
@@ -82,6 +253,7 @@ class ApiContext:
         scanner = PartitionScanner(
             settings.kafka_bootstrap_servers, client_config=kafka_client_options(settings)
         )
+        reads = _kafka_reads(settings)
         redrive = getattr(tracker, "redrive", None)
         context = cls(
             settings=settings,
@@ -93,10 +265,11 @@ class ApiContext:
             scanner=scanner,
             clock=tracker.clock,
             admin=AdminStore(tracker.store, settings.markers_topic),
+            reads=reads,
             tracker=tracker,
             redrive=redrive if isinstance(redrive, RedriveRunner) else None,
         )
-        context._closers.append(scanner.stop)
+        context._closers += [scanner.stop, reads.close]
         return context
 
     @classmethod
@@ -133,6 +306,8 @@ class ApiContext:
             closers.append(originals.stop)
             scanner = PartitionScanner(settings.kafka_bootstrap_servers, client_config=config)
             closers.append(scanner.stop)
+            reads = _kafka_reads(settings)
+            closers.append(reads.close)
         except BaseException:
             await _close_all(closers)
             raise
@@ -159,6 +334,7 @@ class ApiContext:
             scanner=scanner,
             clock=clock,
             admin=admin,
+            reads=reads,
             redrive=redrive,
             run_redrive=run_redrive,
         )
@@ -251,6 +427,14 @@ class ApiContext:
                     ok=False, detail=f"Kafka answers, but the markers topic {topic!r} is missing"
                 )
         return Readiness(ready=all(c.ok for c in checks.values()), checks=checks)
+
+
+def _kafka_reads(settings: TrackerSettings) -> KafkaReads:
+    return KafkaReads(
+        settings.kafka_bootstrap_servers,
+        kafka_client_options(settings),
+        settings.api_kafka_read_timeout.total_seconds(),
+    )
 
 
 async def _close_all(closers: list[Closer]) -> None:

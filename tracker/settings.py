@@ -343,6 +343,16 @@ class TrackerSettings(BaseSettings):
             "searches for that message's markers (0: no marker history)."
         ),
     )
+    api_kafka_read_timeout: Duration = Field(
+        timedelta(seconds=2),
+        description=(
+            "How long the message and dead-letter views wait for Kafka (payload preview, "
+            "marker history) before answering with what the database has; `payload_error` / "
+            "`markers_error` then say what could not be read. A read that takes longer is not "
+            "cut short: it finishes in the background, and until it does, reads of other "
+            "records answer at once (reloading the same view waits for it)."
+        ),
+    )
     redrive_lease: Duration = Field(
         timedelta(seconds=60),
         description=(
@@ -442,6 +452,8 @@ class TrackerSettings(BaseSettings):
             raise ValueError("api_read_token must differ from api_token")
         if self.redrive_lease <= timedelta(seconds=1):
             raise ValueError("redrive_lease must be longer than 1 s")
+        if self.api_kafka_read_timeout <= timedelta(0):
+            raise ValueError("api_kafka_read_timeout must be positive")
         return self
 
     @model_validator(mode="after")

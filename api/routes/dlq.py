@@ -12,6 +12,7 @@ from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.store.admin import DeadLetterFilter
 
+from ..context import not_served
 from ..deps import Context, Cursor, Limit, Reader
 from ..errors import ApiError
 from ..ids import decode_cursor, encode_cursor, fingerprint
@@ -96,7 +97,11 @@ async def get_dead_letter(
         Query(ge=0, le=1_048_576, description="Payload preview cap (default: the setting)."),
     ] = None,
 ) -> DeadLetterDetail:
-    """The dead letter, and the record on the DLQ topic (with its ``kmq-dlq-*`` headers)."""
+    """The dead letter, and the record on the DLQ topic (with its ``kmq-dlq-*`` headers).
+
+    The record is read from Kafka within ``api_kafka_read_timeout``: past it, the answer has
+    the dead letter as the database has it, and ``payload_error`` says why there is no preview.
+    """
     row = await context.admin.get_dead_letter(dead_letter_id)
     if row is None:
         raise ApiError(404, f"no dead letter {dead_letter_id}")
@@ -105,9 +110,9 @@ async def get_dead_letter(
     payload = None
     payload_error = None
     try:
-        found = (await context.originals.fetch([target])).get(target)
+        found = await context.reads.fetch(target, context.reads.deadline())
     except OriginalsUnavailable as exc:
-        payload_error = f"Kafka unavailable: {exc}"
+        payload_error = not_served(exc)
     else:
         if isinstance(found, OriginalRecord):
             payload = payload_preview(position(*target), found, cap)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Path, Query, Response
@@ -24,7 +25,7 @@ from tracker.store.admin import (
     Outcome,
 )
 
-from ..context import ApiContext
+from ..context import ApiContext, not_served
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
 from ..errors import ApiError
 from ..ids import decode_cursor, encode_cursor, fingerprint, format_message_id, parse_message_id
@@ -34,6 +35,7 @@ from ..models import (
     ActionBody,
     ActionResponse,
     ExtendBody,
+    MarkerHistory,
     MessageDetail,
     MessagePage,
     MessageState,
@@ -155,9 +157,17 @@ async def list_messages(
 
 
 async def _preview(
-    context: ApiContext, view: EntryView | None, dead: list[dict[str, Any]], cap: int
+    context: ApiContext,
+    view: EntryView | None,
+    dead: list[dict[str, Any]],
+    cap: int,
+    deadline: float,
 ) -> tuple[PayloadPreview | None, str | None]:
-    """The current copy's payload (or the store's copy), else the latest DLQ record's."""
+    """The current copy's payload (or the store's copy), else the latest DLQ record's.
+
+    Kafka is read within ``deadline`` (see :class:`~api.context.KafkaReads`); past it, the
+    preview is missing and the error says so.
+    """
     if view is not None:
         e = view.entry
         if view.payload_stored:
@@ -175,10 +185,9 @@ async def _preview(
     else:
         return None, "no record to show"
     try:
-        found = await context.originals.fetch([target])
+        result = await context.reads.fetch(target, deadline)
     except OriginalsUnavailable as exc:
-        return None, f"Kafka unavailable: {exc}"
-    result = found.get(target)
+        return None, not_served(exc)
     if isinstance(result, OriginalRecord):
         return payload_preview(position(*target), result, cap), None
     if isinstance(result, Missing):
@@ -186,15 +195,31 @@ async def _preview(
     return None, f"record {target} could not be read"
 
 
-async def _markers_partition(context: ApiContext, key: EntryKey, view: EntryView | None) -> int:
-    """The markers partition of a message: the entry's, or computed like a writer does."""
-    if view is not None:
-        return view.entry.markers_partition
-    topic = context.settings.markers_topic
-    total = (await context.scanner.partition_counts([topic])).get(topic)
-    if not total:
-        raise OriginalsUnavailable(f"the markers topic {topic!r} does not exist")
-    return markers_partition(key[1], key[2], total)
+async def _history(
+    context: ApiContext, key: EntryKey, view: EntryView | None, deadline: float
+) -> tuple[MarkerHistory | None, str | None]:
+    """The message's marker history, read within ``deadline``; else why not."""
+    settings = context.settings
+    scanner = context.reads.scanner
+    # Known from the entry, or computed (from the partition count) like a writer does.
+    known = view.entry.markers_partition if view is not None else None
+
+    async def read() -> MarkerHistory:
+        partition = known
+        if partition is None:
+            topic = settings.markers_topic
+            total = (await scanner.partition_counts([topic])).get(topic)
+            if not total:
+                raise OriginalsUnavailable(f"the markers topic {topic!r} does not exist")
+            partition = markers_partition(key[1], key[2], total)
+        return await marker_history(
+            scanner, settings.markers_topic, partition, key, settings.api_marker_history_scan
+        )
+
+    try:
+        return await context.reads.history.run(key, read, deadline), None
+    except OriginalsUnavailable as exc:
+        return None, f"marker history unavailable: {exc}"
 
 
 @router.get(
@@ -219,7 +244,10 @@ async def get_message(
 
     ``status`` is the tracked state, or ``dead_lettered`` / ``acked`` (through this API) for a
     message the tracker no longer holds. The marker history is searched in the last
-    ``api_marker_history_scan`` records of the message's markers partition.
+    ``api_marker_history_scan`` records of the message's markers partition. The payload and
+    the marker history are read from Kafka concurrently, within ``api_kafka_read_timeout``:
+    past it, the answer has what the database has, and ``payload_error`` / ``markers_error``
+    say what Kafka did not serve.
     """
     key = parse_message_id(message_id)
     view = await context.admin.get_entry(key)
@@ -238,23 +266,19 @@ async def get_message(
         status = MessageStatus.ACKED
     else:
         status = MessageStatus.DEAD_LETTERED
-    history = None
-    history_error = None
     settings = context.settings
-    if markers and settings.api_marker_history_scan > 0:
-        try:
-            partition = await _markers_partition(context, key, view)
-            history = await marker_history(
-                context.scanner,
-                settings.markers_topic,
-                partition,
-                key,
-                settings.api_marker_history_scan,
-            )
-        except OriginalsUnavailable as exc:
-            history_error = f"marker history unavailable: {exc}"
     cap = settings.api_payload_preview_bytes if preview_bytes is None else preview_bytes
-    payload, payload_error = await _preview(context, view, dead, cap)
+    # One deadline for both reads, run side by side: the request waits for Kafka once.
+    deadline = context.reads.deadline()
+    previewing = _preview(context, view, dead, cap, deadline)
+    history: MarkerHistory | None = None
+    history_error: str | None = None
+    if markers and settings.api_marker_history_scan > 0:
+        (payload, payload_error), (history, history_error) = await asyncio.gather(
+            previewing, _history(context, key, view, deadline)
+        )
+    else:
+        payload, payload_error = await previewing
     return MessageDetail(
         id=format_message_id(key),
         group=key[0],
