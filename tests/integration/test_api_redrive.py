@@ -402,3 +402,36 @@ async def test_overlapping_jobs_never_republish_a_dead_letter_twice(
     records = await read_all(env.bootstrap, origin, 1)
     items = redriven_items(records, first["id"]) + redriven_items(records, second["id"])
     assert sorted(items) == ids
+
+
+async def test_a_slow_job_does_not_hold_up_a_shutdown(
+    env: ApiEnv, topic_factory: TopicFactory
+) -> None:
+    """At a slow rate the runner waits seconds for a token; a stop must not wait it out."""
+    dlq = await topic_factory(partitions=1, prefix="dlq")
+    origin = await topic_factory(partitions=1, prefix="orders")
+    await seed(env, dlq, origin, 3)
+    created = await env.client.post(
+        "/v1/redrive-jobs", json={"filter": {"topic": origin}, "rate": 0.01}
+    )
+    assert created.status_code == 201, created.text
+    job = created.json()
+    r = runner(env, "runner-slow", lease_seconds=40.0)  # a token wait of up to 10 s
+    stopping = asyncio.Event()
+    task = asyncio.create_task(r.run(stopping))
+    try:
+
+        async def first_sent() -> bool:
+            return bool((await job_state(env, job["id"]))["done"] >= 1)
+
+        await eventually(first_sent, what="the first record (the bucket's first token)")
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        stopping.set()
+        await asyncio.wait_for(task, 15)
+        assert loop.time() - asked < 3, "the shutdown waited for the next token"
+    finally:
+        stopping.set()
+        if not task.done():
+            task.cancel()
+    assert (await job_state(env, job["id"]))["done"] == 1

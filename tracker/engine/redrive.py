@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
@@ -62,6 +62,8 @@ from tracker.store.admin import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Header on republished records: the redrive job's id (decimal).
 REDRIVE_JOB = "kmq-redrive-job"
@@ -444,7 +446,11 @@ class RedriveRunner:
             if stopping.is_set():
                 return False
             wanted = min(self._max_batch, len(ready) - index)
-            granted = await bucket.take(wanted, max_wait=self._lease_seconds / 4)
+            granted = await _unless_stopped(
+                bucket.take(wanted, max_wait=self._lease_seconds / 4), stopping
+            )
+            if granted is None:
+                return False  # stopped while waiting for a token: nothing taken, nothing sent
             if self._monotonic() >= lease.renew_at and await self._renew(lease):
                 return True
             if granted == 0:
@@ -486,3 +492,26 @@ class RedriveRunner:
             if cancel:
                 return True
         return False
+
+
+async def _unless_stopped(waiting: Awaitable[T], stopping: asyncio.Event) -> T | None:
+    """``await waiting``, or None (``waiting`` cancelled) as soon as ``stopping`` is set.
+
+    A token wait at a slow rate lasts up to a quarter of the lease (seconds): a shutdown must
+    not wait it out.
+    """
+    task = asyncio.ensure_future(waiting)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()  # our caller is cancelled: the wait goes with it
+        raise
+    finally:
+        stop.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
