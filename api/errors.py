@@ -24,7 +24,7 @@ from tracker.kafka.admin import KafkaUnavailable
 from tracker.kafka.originals import OriginalsUnavailable
 from tracker.store import StoreUnavailable
 
-from .models import ErrorResponse
+from .models import EXAMPLE_TIME, TEXT_PATTERN, ErrorResponse
 
 log = logging.getLogger("api")
 
@@ -86,12 +86,61 @@ def _where(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(str(part) for part in loc) or "request"
 
 
-def _validation(exc: RequestValidationError) -> JSONResponse:
-    items: list[dict[str, Any]] = []
-    for err in exc.errors():
-        loc = [p if isinstance(p, int) else str(p) for p in err.get("loc", ())]
-        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        items.append({"loc": loc, "msg": msg, "type": str(err.get("type", "value_error"))})
+#: How to write a time, for the errors about one.
+_TIME_EXAMPLES = f"e.g. {EXAMPLE_TIME} or 2026-11-21T10:30:00+01:00"
+#: pydantic's error types for a time it could not read.
+_TIME_ERRORS = frozenset(
+    {"datetime_type", "datetime_parsing", "datetime_from_date_parsing", "datetime_object_invalid"}
+)
+
+
+def _item(err: Mapping[str, Any]) -> dict[str, Any]:
+    """One of pydantic's errors as we list it: ``loc``, ``msg`` (said for people), ``type``."""
+    loc = [p if isinstance(p, int) else str(p) for p in err.get("loc", ())]
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    kind = str(err.get("type", "value_error"))
+    ctx = err.get("ctx") or {}
+    if kind == "timezone_aware":
+        # Every time the API takes needs a zone: a naive one is refused, never guessed.
+        msg = f"{msg}: add Z (UTC) or an offset, {_TIME_EXAMPLES}"
+    elif kind in _TIME_ERRORS:
+        msg = f"{msg}: send an ISO 8601 time with a timezone, {_TIME_EXAMPLES}"
+    elif kind == "string_pattern_mismatch" and ctx.get("pattern") == TEXT_PATTERN:
+        msg = "must not contain NUL characters"
+    elif kind in ("too_long", "too_short") and isinstance(err.get("input"), str):
+        # A length checked after a validator is pydantic's generic "items"; for text, say
+        # characters (the models check lengths first, so this is only a safety net).
+        bound, limit = ("most", "max_length") if kind == "too_long" else ("least", "min_length")
+        count = ctx.get(limit)
+        unit = "character" if count == 1 else "characters"
+        msg = f"String should have at {bound} {count} {unit}"
+        kind = f"string_{kind}"
+    return {"loc": loc, "msg": msg, "type": kind}
+
+
+def _is_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body of this Content-Type as JSON (else it gets the bytes)."""
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def _validation(exc: RequestValidationError, content_type: str | None = None) -> JSONResponse:
+    items = [_item(err) for err in exc.errors()]
+    if not _is_json(content_type):
+        # FastAPI hands a body of another Content-Type over as bytes, which no model takes:
+        # say what is wrong (a 422 like any invalid body; the API never answers 415).
+        sent = f"Content-Type {content_type}" if content_type else "no Content-Type"
+        for item in items:
+            if item["loc"] == ["body"] and item["type"] != "missing":
+                item["msg"] = (
+                    f"the body must be JSON, sent with Content-Type: application/json "
+                    f"(this one has {sent})"
+                )
+                item["type"] = "content_type"
     summary = "; ".join(f"{_where(i['loc'])}: {i['msg']}" for i in items[:10])
     if len(items) > 10:
         summary += f"; and {len(items) - 10} more"
@@ -116,9 +165,9 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = "no such endpoint; see /docs for the API"
         return error_response(exc.status_code, detail, headers=exc.headers)
 
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)  # noqa: S101
-        return _validation(exc)
+        return _validation(exc, request.headers.get("content-type"))
 
     async def unavailable(_: Request, exc: Exception) -> JSONResponse:
         what = "database" if isinstance(exc, StoreUnavailable) else "Kafka"

@@ -1,8 +1,11 @@
 """Request and response models of the admin API (the OpenAPI schema is generated from them).
 
-Times are ISO 8601 UTC datetimes on the wire (the store keeps milliseconds since the epoch).
+Times are ISO 8601 UTC datetimes on the wire (the store keeps milliseconds since the epoch);
+a time given to the API must carry a timezone (``AwareDatetime``: a naive one is ambiguous, 422).
 Every model carries an example, so ``/docs`` shows realistic payloads. Free-text inputs refuse
-NUL characters and lone surrogates: neither can be stored (PostgreSQL text, UTF-8).
+NUL characters and lone surrogates: neither can be stored (PostgreSQL text, UTF-8). Numbers and
+flags of request bodies must be JSON numbers and booleans: ``"10"`` for a number is a client's
+mistake, refused (422) rather than guessed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from pydantic import (
     AfterValidator,
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
     Tag,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from tracker.protocol import MAX_DELAY_MS, MAX_TIMEOUT_MS
 
@@ -54,21 +59,52 @@ def _ex(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def text(max_length: int, description: str, *, min_length: int = 0) -> Any:
-    """A free-text field: bounded, storable."""
+    """A free-text field: bounded, storable.
+
+    Put it before ``AfterValidator(_storable)`` in an ``Annotated``: constraints given after a
+    validator are checked on its result as on any value ("at most 1000 items"), not as string
+    constraints ("at most 1000 characters"), and the pattern drops out of the schema.
+    """
     return Field(
         min_length=min_length, max_length=max_length, pattern=TEXT_PATTERN, description=description
     )
 
 
-Reason = Annotated[str, AfterValidator(_storable), text(1000, "Why (kept in the audit trail).")]
+def _json_type(kind: Literal["int", "float", "bool"]) -> BeforeValidator:
+    """Refuses a JSON string (or, for a number, a boolean) where a request body wants a number
+    or a boolean: pydantic's lax mode would read ``"10"`` as 10 and ``"false"`` as False, and
+    such a body is surely a client's mistake. Query parameters are strings on the wire and stay
+    lax; a JSON number with a zero fraction (``10.0``) is still an integer."""
+    wanted = "a JSON boolean (true or false)" if kind == "bool" else "a JSON number"
+    refused: tuple[type, ...] = (str, bytes, bytearray) if kind == "bool" else (str, bytes, bool)
+
+    def check(value: Any) -> Any:
+        if isinstance(value, refused):
+            raise PydanticCustomError(
+                f"{kind}_type",
+                "Input should be {wanted}, not {given}",
+                {"wanted": wanted, "given": "a boolean" if isinstance(value, bool) else "a string"},
+            )
+        return value
+
+    return BeforeValidator(check)
+
+
+JsonInt = _json_type("int")
+JsonFloat = _json_type("float")
+JsonBool = _json_type("bool")
+
+Reason = Annotated[str, text(1000, "Why (kept in the audit trail)."), AfterValidator(_storable)]
 TopicName = Annotated[str, Field(pattern=TOPIC_PATTERN, description="A Kafka topic name.")]
 GroupId = Annotated[
     str,
-    AfterValidator(_storable),
     text(255, "A consumer group id.", min_length=1),
+    AfterValidator(_storable),
 ]
-Partition = Annotated[int, Field(ge=0, le=MAX_PARTITION)]
-Offset = Annotated[int, Field(ge=0, le=MAX_OFFSET)]
+# The JSON type check after the constraints: it then runs first, and the constraints stay
+# number constraints (in the schema too).
+Partition = Annotated[int, Field(ge=0, le=MAX_PARTITION), JsonInt]
+Offset = Annotated[int, Field(ge=0, le=MAX_OFFSET), JsonInt]
 
 
 class ErrorItem(BaseModel):
@@ -481,7 +517,9 @@ class ExtendBody(ActionBody):
         json_schema_extra={"examples": [{"by_ms": 600000, "reason": "slow batch, give it time"}]},
     )
 
-    by_ms: int = Field(ge=1, le=MAX_TIMEOUT_MS, description="The new lease, in milliseconds.")
+    by_ms: Annotated[int, Field(ge=1, le=MAX_TIMEOUT_MS), JsonInt] = Field(
+        description="The new lease, in milliseconds."
+    )
 
 
 class ActionResponse(BaseModel):
@@ -648,7 +686,7 @@ class DeadLetterFilterBody(BaseModel):
     topic: TopicName | None = None
     group: GroupId | None = None
     reason: (
-        Annotated[str, AfterValidator(_storable), text(1000, "Substring of the reason.")] | None
+        Annotated[str, text(1000, "Substring of the reason."), AfterValidator(_storable)] | None
     ) = Field(None, description="Substring of the reason, case-insensitive.")
     # Aware only: a time without a zone is ambiguous, and is refused (422) as GET /v1/dlq does.
     since: AwareDatetime | None = Field(None, description="Dead-lettered at or after.")
@@ -677,7 +715,7 @@ class RedriveCreate(BaseModel):
     filter: DeadLetterFilterBody | None = None
     ids: (
         Annotated[
-            list[Annotated[int, Field(ge=1, le=MAX_OFFSET)]],
+            list[Annotated[int, Field(ge=1, le=MAX_OFFSET), JsonInt]],
             Field(min_length=1, max_length=10_000),
         ]
         | None
@@ -685,8 +723,12 @@ class RedriveCreate(BaseModel):
     target_topic: TopicName | None = Field(
         None, description="Where to republish; null: each message's original topic."
     )
-    rate: float = Field(100.0, gt=0, le=100_000, description="Messages per second, at most.")
-    dry_run: bool = Field(False, description="Only count what would be republished.")
+    rate: Annotated[float, Field(gt=0, le=100_000), JsonFloat] = Field(
+        100.0, description="Messages per second, at most."
+    )
+    dry_run: Annotated[bool, JsonBool] = Field(
+        False, description="Only count what would be republished."
+    )
     reason: Reason = ""
 
     @model_validator(mode="after")
@@ -863,31 +905,29 @@ class MarkerIn(BaseModel):
     topic: TopicName = Field(description="Topic of the record the marker is about.")
     partition: Partition
     offset: Offset
-    attempt: int = Field(1, ge=1, le=0xFFFF, description="The record's `kmq-attempt` (1 if none).")
+    attempt: Annotated[int, Field(ge=1, le=0xFFFF), JsonInt] = Field(
+        1, description="The record's `kmq-attempt` (1 if none)."
+    )
     origin: Annotated[str, Field(max_length=300, pattern=TEXT_PATTERN)] | None = Field(
         None,
         description="The record's `kmq-origin` header (`topic/partition/offset`); null for a "
         "first delivery.",
     )
-    timeout_ms: int | None = Field(
+    timeout_ms: Annotated[int, Field(ge=0, le=MAX_TIMEOUT_MS), JsonInt] | None = Field(
         None,
-        ge=0,
-        le=MAX_TIMEOUT_MS,
         description="start: the lease (0 or null: the topic's policy); extend: the new lease.",
     )
-    delay_ms: int | None = Field(
+    delay_ms: Annotated[int, Field(ge=0, le=MAX_DELAY_MS), JsonInt] | None = Field(
         None,
-        ge=0,
-        le=MAX_DELAY_MS,
         description="delay: redeliver after this long; null: the topic's backoff policy.",
     )
-    reason: Annotated[str, AfterValidator(_storable), text(4096, "delay/reject reason.")] | None = (
+    reason: Annotated[str, text(4096, "delay/reject reason."), AfterValidator(_storable)] | None = (
         None
     )
-    consumer: Annotated[str, AfterValidator(_storable), text(255, "start: consumer id.")] | None = (
+    consumer: Annotated[str, text(255, "start: consumer id."), AfterValidator(_storable)] | None = (
         None
     )
-    deferred: bool = Field(
+    deferred: Annotated[bool, JsonBool] = Field(
         False, description="delay: a delayed message read before its time (not a failure)."
     )
 

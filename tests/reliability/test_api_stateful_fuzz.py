@@ -6,7 +6,8 @@ message found by a listing, then act on it again; create a redrive job, read it,
 cancel it again. schemathesis infers those links from the schema (the ids a response returns
 and the path parameters that take them); its state machine then chains calls along them, with
 the admin token, on the same served app and seeded data as the stateless test (SQLite and
-PostgreSQL). Every answer must be documented, never a server error, and match its schema.
+PostgreSQL), with the same times as users write them for ``date-time`` inputs. Every answer must
+be documented, never a server error, and match its schema.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import FlakyStrategyDefinition
 from integration.api_support import ADMIN_TOKEN, bearer
-from integration.test_api_fuzz import CHECKS, ServedApp
+from integration.test_api_fuzz import CHECKS, ServedApp, user_time_formats
 from support.databases import sqlite_url
 
 from .harness import size
@@ -48,10 +49,18 @@ def served(
         app.stop()
 
 
+@pytest.fixture
+def user_times() -> Iterator[None]:
+    """``date-time`` inputs get times as users write them (naive, date-only, epoch...)."""
+    with user_time_formats():
+        yield
+
+
 @pytest.mark.filterwarnings(
     "ignore:Do not use the `random` module inside strategies"
     ":hypothesis.errors.HypothesisDeprecationWarning"
 )
+@pytest.mark.usefixtures("user_times")
 def test_call_sequences_never_get_a_server_error(served: ServedApp) -> None:
     schema = schemathesis.openapi.from_url(f"{served.base_url}/openapi.json")
     machine = schema.as_state_machine()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import base64
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from api import models
-from api.errors import ApiError
+from api.errors import ApiError, _is_json, _item
 from api.ids import decode_cursor, encode_cursor, format_message_id, parse_message_id
 from api.previews import bytes_preview
 from api.rates import CounterRates
@@ -259,3 +260,107 @@ def test_every_model_has_examples_that_validate() -> None:
             model.model_validate(example)
         checked += 1
     assert checked >= 30
+
+
+#: The models of request bodies (the sidecar's batch is checked through MarkerIn).
+REQUEST_MODELS = [
+    models.ActionBody,
+    models.ExtendBody,
+    models.DeadLetterFilterBody,
+    models.RedriveCreate,
+    models.MarkerIn,
+]
+
+
+def _wrong_input(prop: dict[str, Any]) -> tuple[Any, str, tuple[int, ...]] | None:
+    """For a property of a request body: a value a client gets wrong, pydantic's error type
+    for it, and where under the field the error is (a list's first item)."""
+    branches = [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
+    if len(branches) != 1:
+        return None
+    (schema,) = branches
+    kind = schema.get("type")
+    if kind == "array" and schema["items"].get("type") == "integer":
+        return ["1"], "int_type", (0,)
+    if kind in ("integer", "number", "boolean"):
+        expected = {"integer": "int_type", "number": "float_type", "boolean": "bool_type"}[kind]
+        return "1", expected, ()
+    if kind == "string" and schema.get("format") == "date-time":
+        return "2026-01-01T00:00:00", "timezone_aware", ()
+    if kind == "string" and "maxLength" in schema:
+        return "x" * (schema["maxLength"] + 1), "string_too_long", ()
+    return None
+
+
+@pytest.mark.parametrize("model", REQUEST_MODELS, ids=lambda m: m.__name__)
+def test_request_bodies_check_json_types_text_lengths_and_time_zones(
+    model: type[BaseModel],
+) -> None:
+    """Every field of every request body: a number or flag sent as a string is refused (not
+    coerced), a text over its limit is "at most N characters" (not "items"), a time needs a
+    zone. New fields are covered as they come."""
+    extra = model.model_config.get("json_schema_extra")
+    assert isinstance(extra, dict)
+    examples = extra["examples"]
+    assert isinstance(examples, list)
+    base = examples[0]
+    assert isinstance(base, dict)
+    checked = 0
+    for name, prop in model.model_json_schema()["properties"].items():
+        wrong = _wrong_input(prop)
+        if wrong is None:
+            continue
+        value, expected, under = wrong
+        with pytest.raises(ValidationError) as caught:
+            model.model_validate({**base, name: value})
+        found = [e for e in caught.value.errors() if e["loc"] == (name, *under)]
+        assert [e["type"] for e in found] == [expected], (name, caught.value.errors())
+        if expected == "string_too_long":
+            assert "characters" in found[0]["msg"]
+        checked += 1
+    assert checked, f"{model.__name__}: no field checked"
+
+
+def test_validation_errors_are_said_for_people() -> None:
+    def said(err: dict[str, Any]) -> dict[str, Any]:
+        return _item({"loc": ("body", "x"), "input": "", "ctx": {}, **err})
+
+    naive = said({"type": "timezone_aware", "msg": "Input should have timezone info"})
+    assert naive["msg"].startswith("Input should have timezone info: add Z (UTC) or an offset")
+    assert models.EXAMPLE_TIME in naive["msg"]
+    garbled = said({"type": "datetime_from_date_parsing", "msg": "Input should be a valid date"})
+    assert "with a timezone" in garbled["msg"]
+    nul = said(
+        {
+            "type": "string_pattern_mismatch",
+            "msg": "String should match pattern",
+            "ctx": {"pattern": models.TEXT_PATTERN},
+        }
+    )
+    assert nul["msg"] == "must not contain NUL characters"
+    # A length checked after a validator: pydantic says items; for a string we say characters.
+    long = said(
+        {
+            "type": "too_long",
+            "msg": "Value should have at most 10 items after validation, not 11",
+            "input": "x" * 11,
+            "ctx": {"field_type": "Value", "max_length": 10, "actual_length": 11},
+        }
+    )
+    assert long == {
+        "loc": ["body", "x"],
+        "msg": "String should have at most 10 characters",
+        "type": "string_too_long",
+    }
+    short = said({"type": "too_short", "msg": "", "input": "", "ctx": {"min_length": 1}})
+    assert short["msg"] == "String should have at least 1 character"
+    items = said({"type": "too_long", "msg": "List should have at most 1 item", "input": [1, 2]})
+    assert items["msg"] == "List should have at most 1 item"
+    assert said({"type": "value_error", "msg": "Value error, bad"})["msg"] == "bad"
+
+
+def test_json_content_types() -> None:
+    for json in ("application/json", "Application/JSON; charset=utf-8", "application/x+json"):
+        assert _is_json(json), json
+    for other in (None, "", "text/plain", "application/x-www-form-urlencoded", "text/json"):
+        assert not _is_json(other), other
