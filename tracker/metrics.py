@@ -16,7 +16,8 @@ class Metrics:
         )
         self.markers_invalid = Counter(
             "kmq_markers_invalid_total",
-            "Markers refused (malformed, unknown topic, ...) and parked.",
+            "Markers refused and parked, by reason: malformed, unknown_topic (or partition), "
+            "wrong_partition (not on its origin's markers partition).",
             ["reason"],
             registry=r,
         )

@@ -31,6 +31,7 @@ from tracker.clock import Clock, to_millis
 from tracker.engine.entries import EntryKey, PolicyLookup, entry_key
 from tracker.engine.parking import InvalidMarkerParker, Rejected
 from tracker.metrics import Metrics
+from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import Marker, decode_batch
 from tracker.store import Fenced, Store, StoreUnavailable
 from tracker.store.manager import PartitionProgress, PendingMarker
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 #: High watermarks remembered per partition until we read past them (older ones are dropped:
 #: that only delays ``caught_up_ms``, never advances it too far).
 MAX_ENDS = 256
+
+#: Category (``kmq_markers_invalid_total`` reason) of a marker not on its origin's partition.
+WRONG_PARTITION = "wrong_partition"
 
 #: Without a fetch response for this long, the broker counts as unreachable (readiness).
 BROKER_SILENCE_MS = 5_000
@@ -285,25 +289,19 @@ class MarkerIngest:
             Rejected(records[i], why, "malformed") for i, why in decoded.errors
         ]
         accepted: list[tuple[float, PendingMarker]] = []
+        total = self._markers_partitions()
         # A batch names few distinct topic/partitions: check each once, not once per marker.
-        verdicts: dict[tuple[str, int, str, int], str | None] = {}
+        verdicts: dict[tuple[str, int, str, int], tuple[str, str] | None] = {}
         for record, marker in zip(records, decoded.markers, strict=True):
             if marker is None:
                 continue
-            why = None
-            if self._check is not None:
-                where = (
-                    marker.topic,
-                    marker.partition,
-                    marker.origin_topic,
-                    marker.origin_partition,
-                )
-                if where in verdicts:
-                    why = verdicts[where]
-                else:
-                    why = verdicts[where] = self._check.check(marker)
-            if why is not None:
-                rejected.append(Rejected(record, why, "unknown_topic"))
+            where = (marker.topic, marker.partition, marker.origin_topic, marker.origin_partition)
+            if where in verdicts:
+                verdict = verdicts[where]
+            else:
+                verdict = verdicts[where] = self._verdict(marker, partition, total)
+            if verdict is not None:
+                rejected.append(Rejected(record, verdict[1], verdict[0]))
                 continue
             # Durations count from the record's timestamp, but never from the future: a
             # writer whose clock runs ahead must not make us redeliver early.
@@ -311,6 +309,37 @@ class MarkerIngest:
             ref_ms = now_ms if ts < 0 or ts > now_ms else ts
             accepted.append((arrived, PendingMarker(marker, ref_ms, partition, record.offset)))
         return _Sorted(partition, state, records, accepted, rejected)
+
+    def _markers_partitions(self) -> int:
+        """How many partitions the markers topic has (the consumer's metadata; 0: unknown)."""
+        return len(self._consumer.partitions_for_topic(self._topic) or ())
+
+    def _verdict(self, marker: Marker, partition: int, total: int) -> tuple[str, str] | None:
+        """``(category, reason)`` if ``marker``, read on ``partition``, must be refused.
+
+        A marker must sit on its origin's markers partition (docs/protocol.md, "The marker
+        record"): only there is it ordered against that origin's other markers, and only there
+        is the entry it writes filed under the partition whose owner fences and redelivers it.
+        One on another partition is refused like a malformed one, whatever its kind (why:
+        docs/protocol.md, "A marker on the wrong partition"). Metadata that does not know
+        ``partition`` yet is stale (the topic just grew): nothing is refused for its partition
+        until it is refreshed.
+        """
+        if self._check is not None:
+            why = self._check.check(marker)
+            if why is not None:
+                return "unknown_topic", why
+        if partition < total:
+            expected = markers_partition(marker.origin_topic, marker.origin_partition, total)
+            if expected != partition:
+                key = marker_key(marker.origin_topic, marker.origin_partition).decode()
+                return WRONG_PARTITION, (
+                    f"on markers partition {partition}, but the markers of origin "
+                    f"{marker.origin_topic}/{marker.origin_partition} belong on partition "
+                    f"{expected} of {total} (murmur2 of the key {key!r}): it cannot be ordered "
+                    "against that origin's other markers"
+                )
+        return None
 
     async def _park(self, rejected: list[Rejected], fetched: list[_Sorted]) -> None:
         """Park every refused record of one poll in one round trip, before any is applied.

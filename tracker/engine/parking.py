@@ -1,9 +1,9 @@
 """Parking refused markers on the invalid-markers topic, for inspection.
 
-A marker the tracker cannot use (malformed, unknown topic, or valid but not applicable such
-as a stale or unmatched one) is never silently skipped: it is counted, logged with its
-position, and its raw bytes are produced to the invalid-markers topic with headers saying
-where it came from and why it was refused.
+A marker the tracker cannot use (malformed, unknown topic, not on its origin's markers
+partition, or valid but not applicable such as a stale or unmatched one) is never silently
+skipped: it is counted, logged with its position, and its raw bytes are produced to the
+invalid-markers topic with headers saying where it came from and why it was refused.
 
 The parked copy is a new record stamped when it is parked (the producer's clock, or the
 broker's with ``LogAppendTime``); the refused record's own timestamp, which may be anything a
@@ -66,7 +66,7 @@ REFUSED_CONTENT: tuple[type[KafkaError], ...] = (
 class Rejected:
     record: Any  #: the markers record as consumed
     reason: str
-    category: str  #: malformed | unknown_topic | anomaly
+    category: str  #: malformed | unknown_topic | wrong_partition | anomaly
 
 
 @dataclass(frozen=True, slots=True, eq=False)
