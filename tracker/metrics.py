@@ -80,6 +80,12 @@ class Metrics:
         self.pending_markers = Gauge(
             "kmq_pending_markers", "Markers held in memory (coalescing window).", registry=r
         )
+        self.broker_reachable = Gauge(
+            "kmq_broker_reachable",
+            "1 while fetch responses for the markers partitions arrive; 0 when none came for "
+            "5 s or the markers consumer failed (the broker is away).",
+            registry=r,
+        )
         self.owned_partitions = Gauge(
             "kmq_owned_markers_partitions", "Markers partitions this replica owns.", registry=r
         )

@@ -128,6 +128,7 @@ class MarkerIngest:
         self._lock = asyncio.Lock()  #: serializes flushes with rebalance callbacks
         self.store_ok = True
         self.broker_ok = False
+        self._broker_lost_at: float | None = None  #: monotonic time the broker went quiet
         self.last_error: str | None = None
 
     # -- ownership (called by the rebalance listener) ----------------------------------
@@ -237,7 +238,7 @@ class MarkerIngest:
                 await _wait(stopping, backoff)
                 backoff = min(backoff * 2, 5.0)
             except KafkaError as exc:
-                self.broker_ok = False
+                self._broker_seen(False)
                 self.last_error = f"broker: {exc!r}"
                 log.warning("markers consumer error: %r", exc)
                 await _wait(stopping, backoff)
@@ -258,7 +259,7 @@ class MarkerIngest:
             timeout_ms=int(wait * 1000), max_records=self._max_records
         )
         if fetched:
-            self.broker_ok = True
+            self._broker_seen(True)
         count = 0
         async with self._lock:
             sorted_out: list[_Sorted] = []
@@ -412,7 +413,23 @@ class MarkerIngest:
         if not answering and self.broker_ok:
             log.warning("no fetch response from the broker for %.0f s", BROKER_SILENCE_MS / 1000)
             self.last_error = "broker: no fetch response"
+        self._broker_seen(answering)
+
+    def _broker_seen(self, answering: bool) -> None:
+        """Whether the broker answers now: one log line when it is back, and the gauge.
+
+        The line that it went away is written where that is noticed (with why); in between,
+        nothing is repeated (aiokafka's own lines are limited in ``tracker.logs``), so an
+        outage reads as two lines of ours: gone, and back after how long.
+        """
+        if not answering and self.broker_ok:
+            self._broker_lost_at = time.monotonic()
+        elif answering and not self.broker_ok and self._broker_lost_at is not None:
+            away = time.monotonic() - self._broker_lost_at
+            log.info("broker answering again after %.0f s", away)
+            self._broker_lost_at = None
         self.broker_ok = answering
+        self._metrics.broker_reachable.set(1 if answering else 0)
 
     def broker_answering(self) -> bool:
         """Whether fetch responses for our partitions still arrive (readiness asks this).
