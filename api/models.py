@@ -91,6 +91,17 @@ def _json_type(kind: Literal["int", "float", "bool"]) -> BeforeValidator:
 
 
 JsonInt = _json_type("int")
+
+
+def _int64_text(value: Any) -> Any:
+    """A Kafka position may come as a JSON string of digits: int64 offsets are strings in many
+    JSON stacks (kafkajs' ``message.offset``, protobuf's JSON mapping), and the sidecar serves
+    exactly those clients. Anything else that is not a JSON number is refused as by JsonInt."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return value
+
+
 JsonFloat = _json_type("float")
 JsonBool = _json_type("bool")
 
@@ -103,8 +114,8 @@ GroupId = Annotated[
 ]
 # The JSON type check after the constraints: it then runs first, and the constraints stay
 # number constraints (in the schema too).
-Partition = Annotated[int, Field(ge=0, le=MAX_PARTITION), JsonInt]
-Offset = Annotated[int, Field(ge=0, le=MAX_OFFSET), JsonInt]
+Partition = Annotated[int, Field(ge=0, le=MAX_PARTITION), JsonInt, BeforeValidator(_int64_text)]
+Offset = Annotated[int, Field(ge=0, le=MAX_OFFSET), JsonInt, BeforeValidator(_int64_text)]
 
 
 class ErrorItem(BaseModel):

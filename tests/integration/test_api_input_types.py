@@ -189,8 +189,9 @@ async def test_body_numbers_and_flags_sent_as_strings_are_refused(env: ApiEnv) -
     assert created.status_code == 201, created.text
 
     markers: list[tuple[dict[str, Any], str, str]] = [
-        ({**MARKER, "partition": "0"}, "partition", "a JSON number"),
-        ({**MARKER, "offset": "1"}, "offset", "a JSON number"),
+        ({**MARKER, "partition": "zero"}, "partition", "a JSON number"),
+        ({**MARKER, "offset": "-1"}, "offset", "a JSON number"),
+        ({**MARKER, "offset": True}, "offset", "a JSON number"),
         ({**MARKER, "attempt": "2"}, "attempt", "a JSON number"),
         ({**MARKER, "timeout_ms": "30000"}, "timeout_ms", "a JSON number"),
         ({**MARKER, "kind": "delay", "delay_ms": "1000"}, "delay_ms", "a JSON number"),
@@ -201,6 +202,11 @@ async def test_body_numbers_and_flags_sent_as_strings_are_refused(env: ApiEnv) -
         assert expected in refusal(single, "body", "marker", name), marker
         batch = await client.post("/v1/markers", json={"markers": [MARKER, marker]})
         assert expected in refusal(batch, "body", "batch", "markers", 1, name), marker
+    # A position as a string of digits is a position: int64 offsets are JSON strings in many
+    # stacks (kafkajs, protobuf's JSON mapping), and the sidecar serves those clients.
+    as_text = {**MARKER, "partition": "0", "offset": "9223372036854775806"}
+    accepted = await client.post("/v1/markers", json=as_text)
+    assert accepted.status_code < 300, accepted.text
 
 
 async def test_query_numbers_and_flags_stay_strings_on_the_wire(env: ApiEnv) -> None:
