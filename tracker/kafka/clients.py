@@ -49,13 +49,14 @@ async def stop_consumer(consumer: Any) -> None:
     aiokafka 0.14: a consumer stopped while a fetch waits out its retry backoff (the broker is
     away) has ``stop()`` raise that fetch's own ``CancelledError`` and skip closing the
     connections, which then leak ("Unclosed AIOKafkaConsumer") and end the caller's shutdown.
-    That cancellation is not the caller's: close the connections and return. A cancellation of
-    the calling task itself is raised as usual.
+    ``stop()`` runs as a task of its own, so that cancellation ends only that task (and is told
+    from one of the caller: the task's outcome, not ``cancelling()``, which stays set in every
+    cleanup that runs *because* the caller was cancelled); the connections are then closed
+    here. If the caller itself is cancelled while it waits, the stop goes on in the background.
     """
-    try:
-        await consumer.stop()
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
+    stopping = asyncio.ensure_future(consumer.stop())
+    await asyncio.wait({stopping})
+    if stopping.cancelled():
         await consumer._client.close()
+    else:
+        stopping.result()  # any other failure is the caller's to see

@@ -50,7 +50,7 @@ from aiokafka.errors import (
 
 from tracker.errors import ClientClosed, KmqError
 from tracker.ids import MessageId
-from tracker.kafka.clients import start_positional_consumer
+from tracker.kafka.clients import start_positional_consumer, stop_consumer
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class OriginalsReader:
             # the fetcher swallows its own cancellation and stop() hangs forever. Letting the
             # event loop run briefly lets the fetcher finish that first (a few loop turns).
             await asyncio.sleep(_SETTLE_SECONDS)
-            await consumer.stop()
+            await stop_consumer(consumer)
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -21,7 +21,7 @@ from typing import Any
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
-from tracker.kafka.clients import start_positional_consumer
+from tracker.kafka.clients import start_positional_consumer, stop_consumer
 from tracker.kafka.originals import RESERVED_CLIENT_KEYS, OriginalsUnavailable
 
 _POLL_MS = 50
@@ -72,7 +72,7 @@ class PartitionScanner:
             if consumer is not None:
                 # Same aiokafka quirk as OriginalsReader.stop: let the fetcher settle first.
                 await asyncio.sleep(0.01)
-                await consumer.stop()
+                await stop_consumer(consumer)
 
     async def _started(self) -> Any:
         """The consumer, connecting on first use (callers hold ``_lock``)."""
