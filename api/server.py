@@ -40,7 +40,9 @@ def bind_http(host: str, port: int) -> socket.socket:
     group (which makes the running replicas rebalance twice) and connected everything.
     """
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except OSError as exc:
         raise ApiServerError(f"the HTTP API cannot listen on {host}:{port}: {exc}") from None
     family, kind, proto, _, address = infos[0]
@@ -48,6 +50,9 @@ def bind_http(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        # Listening now, not when uvicorn starts: two processes can both bind a port that
+        # nobody listens on yet (SO_REUSEADDR), and the second must fail here, at once.
+        sock.listen(2048)
     except OSError as exc:
         sock.close()
         reason = exc.strerror or str(exc)

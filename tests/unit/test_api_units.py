@@ -365,3 +365,16 @@ def test_json_content_types() -> None:
         assert _is_json(json), json
     for other in (None, "", "text/plain", "application/x-www-form-urlencoded", "text/json"):
         assert not _is_json(other), other
+
+
+def test_the_http_port_is_taken_at_once_so_a_second_tracker_fails_fast() -> None:
+    """Bound *and* listening: a second process cannot bind the same port meanwhile."""
+    from api.server import ApiServerError, bind_http  # noqa: PLC0415
+
+    first = bind_http("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(ApiServerError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind_http("127.0.0.1", port).close()
+    finally:
+        first.close()
