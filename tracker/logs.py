@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import TextIO
 
 from tracker.logsafety import safe_field, scrub
 
@@ -31,7 +33,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-class RepeatLimiter(logging.Filter):
+class RepeatLimiter:
     """Lets one record of a kind through per ``interval``, and says how many it held back.
 
     A kind is the logger and the message template (not its arguments). aiokafka logs every
@@ -48,32 +50,54 @@ class RepeatLimiter(logging.Filter):
         prefixes: tuple[str, ...] = ("aiokafka",),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__()
         self._interval = interval
         self._prefixes = prefixes
         self._clock = clock
-        self._last: dict[tuple[str, object], float] = {}
+        #: per kind: (clock time, wall time) of the last record let through
+        self._last: dict[tuple[str, object], tuple[float, float]] = {}
         self._held: dict[tuple[str, object], int] = {}
 
-    def filter(self, record: logging.LogRecord) -> bool:
+    def admit(self, record: logging.LogRecord) -> str | None:
+        """None: hold ``record`` back. Else a suffix for its message ("" for none)."""
         if not record.name.startswith(self._prefixes):
-            return True
+            return ""
         kind = (record.name, record.msg)
         now = self._clock()
         last = self._last.get(kind)
-        if last is not None and now - last < self._interval:
+        if last is not None and now - last[0] < self._interval:
             self._held[kind] = self._held.get(kind, 0) + 1
-            return False
-        self._last[kind] = now
+            return None
+        self._last[kind] = (now, record.created)
         held = self._held.pop(kind, 0)
-        if held:
-            record.msg = f"{record.msg} (and {held} more like it in the last {self._interval:g} s)"
-        return True
+        if not held or last is None:
+            return ""
+        since = datetime.fromtimestamp(last[1], UTC).strftime("%H:%M:%S")
+        return f" (and {held} more like it since {since} UTC)"
+
+
+class LimitedStreamHandler(logging.StreamHandler[TextIO]):
+    """A stream handler that writes what a :class:`RepeatLimiter` admits.
+
+    The count goes on a copy of the record: other handlers of the same record (a test's
+    capture, a second sink) see it as it was logged.
+    """
+
+    def __init__(self, limiter: RepeatLimiter | None = None) -> None:
+        super().__init__()
+        self.limiter = limiter or RepeatLimiter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        suffix = self.limiter.admit(record)
+        if suffix is None:
+            return
+        if suffix:
+            record = copy.copy(record)
+            record.msg = f"{record.msg}{suffix}"
+        super().emit(record)
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
-    handler = logging.StreamHandler()
-    handler.addFilter(RepeatLimiter())
+    handler = LimitedStreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
