@@ -25,6 +25,7 @@ from tracker.engine.payloads import PayloadKeeper
 from tracker.engine.redeliver import Redeliverer, TrackerEvent
 from tracker.engine.redrive import RedriveRunner
 from tracker.engine.topics import TopicCatalog
+from tracker.errors import KmqError
 from tracker.kafka.admin import ensure_topic, topic_partitions, topic_timestamp_type
 from tracker.kafka.clients import stop_consumer
 from tracker.kafka.originals import OriginalsReader
@@ -211,13 +212,23 @@ class Tracker:
         if topic in self._ensured:
             return
         bootstrap = self.settings.kafka_bootstrap_servers
-        source = await topic_partitions(bootstrap, like, client_config=self._client_config) or 1
-        existing = await topic_partitions(bootstrap, topic, client_config=self._client_config)
+        try:
+            source = await topic_partitions(bootstrap, like, client_config=self._client_config)
+            existing = await topic_partitions(bootstrap, topic, client_config=self._client_config)
+        except KmqError as exc:
+            if self.settings.create_topics:
+                raise  # the copy waits: it must not go to a topic auto-created with 1 partition
+            # Only a check when the tracker creates nothing (a locked-down cluster may not
+            # allow it): never a reason to hold a dead letter back.
+            log.warning("cannot check the partitions of %r (%s); writing to it anyway", topic, exc)
+            self._ensured.add(topic)
+            return
+        wanted = source or 1
         if existing is None and self.settings.create_topics:
             await ensure_topic(
                 bootstrap,
                 topic,
-                partitions=source,
+                partitions=wanted,
                 replication_factor=self.settings.markers_replication_factor,
                 configs=self.settings.output_topic_configs,
                 client_config=self._client_config,
@@ -225,25 +236,25 @@ class Tracker:
             existing = await topic_partitions(bootstrap, topic, client_config=self._client_config)
         if existing is None:
             log.warning(
-                "topic %r does not exist and create_topics is off: writing to it relies on the "
+                "topic %r does not exist (create_topics is off): writing to it relies on the "
                 "broker's auto-creation (num.partitions), not %d partitions like %r",
                 topic,
-                source,
+                wanted,
                 like,
             )
-        elif existing < source:
+        elif existing < wanted:
             log.warning(
                 "topic %r has %d partitions, fewer than the %d of %r whose messages it "
                 "receives: its records lose their partition order and parallelism; add "
                 "partitions (kafka-topics.sh --alter --topic %s --partitions %d)",
                 topic,
                 existing,
-                source,
+                wanted,
                 like,
                 topic,
-                source,
+                wanted,
             )
-        missing = 0 if existing is None else max(0, source - existing)
+        missing = 0 if existing is None else max(0, wanted - existing)
         self.metrics.output_topic_partitions_missing.labels(topic, like).set(missing)
         self._ensured.add(topic)
 
