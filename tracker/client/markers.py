@@ -52,6 +52,10 @@ async def _settle(futures: Sequence[Awaitable[Any]]) -> None:
         raise MarkerWriteFailed(f"marker not acknowledged by the broker: {exc!r}") from exc
 
 
+#: Pauses (s) between looks for a markers topic not in the metadata; None: give up.
+MISSING_TOPIC_PAUSES: tuple[float | None, ...] = (0.1, 0.2, 0.4, 0.8, 1.5, None)
+
+
 class KafkaMarkerSink:
     """Writes markers with an aiokafka producer, one record batch per markers partition.
 
@@ -92,12 +96,18 @@ class KafkaMarkerSink:
         topic instead of the tracker (``markers_partitions``, ``LogAppendTime``).
         """
         try:
-            cluster = await self._producer.client.fetch_all_metadata()
-            if not cluster.partitions_for_topic(self._topic):
-                raise MarkerWriteFailed(
-                    f"the markers topic {self._topic!r} does not exist: start the tracker "
-                    "first (it creates the topic), or create it as docs/protocol.md says"
-                )
+            # A topic created a moment ago can be left out of the answer while its partitions
+            # get their leaders: look again for a few seconds before calling it missing.
+            for pause in MISSING_TOPIC_PAUSES:
+                cluster = await self._producer.client.fetch_all_metadata()
+                if cluster.partitions_for_topic(self._topic):
+                    break
+                if pause is None:
+                    raise MarkerWriteFailed(
+                        f"the markers topic {self._topic!r} does not exist: start the tracker "
+                        "first (it creates the topic), or create it as docs/protocol.md says"
+                    )
+                await asyncio.sleep(pause)
             partitions = await self._producer.partitions_for(self._topic)
         except KafkaError as exc:
             raise MarkerWriteFailed(
