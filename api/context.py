@@ -250,9 +250,6 @@ class ApiContext:
         """Share the running tracker's clients (call after ``tracker.start()``)."""
         settings = tracker.settings
         producer: Any = tracker.producer
-        scanner = PartitionScanner(
-            settings.kafka_bootstrap_servers, client_config=kafka_client_options(settings)
-        )
         reads = _kafka_reads(settings)
         redrive = getattr(tracker, "redrive", None)
         context = cls(
@@ -262,14 +259,16 @@ class ApiContext:
             markers=KafkaMarkerSink(producer, settings.markers_topic),
             producer=producer,
             originals=tracker.originals,
-            scanner=scanner,
+            # The API's own metadata reads (a redrive job's target topic) share the views'
+            # scanner: the tracker's is the engine's, and one more client would do nothing more.
+            scanner=reads.scanner,
             clock=tracker.clock,
             admin=AdminStore(tracker.store, settings.markers_topic),
             reads=reads,
             tracker=tracker,
             redrive=redrive if isinstance(redrive, RedriveRunner) else None,
         )
-        context._closers += [scanner.stop, reads.close]
+        context._closers.append(reads.close)
         return context
 
     @classmethod

@@ -26,7 +26,7 @@ from tracker.engine.redeliver import Redeliverer, TrackerEvent
 from tracker.engine.redrive import RedriveRunner
 from tracker.engine.topics import TopicCatalog
 from tracker.errors import KmqError
-from tracker.kafka.admin import ensure_topic, topic_partitions, topic_timestamp_type
+from tracker.kafka.admin import ensure_topic, topic_timestamp_type
 from tracker.kafka.clients import stop_consumer
 from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
@@ -206,15 +206,15 @@ class Tracker:
         whose messages it receives, so that per-partition order and parallelism survive a
         redrive; an existing topic with fewer partitions is reported (a warning and
         ``kmq_output_topic_partitions_missing``), not changed. Partition counts are asked of
-        the cluster: no client of the tracker subscribes to queue topics, and on Apache Kafka a
-        consumer's metadata holds only the topics it subscribed to.
+        the cluster (all-topics metadata, through the tracker's partition scanner): no client
+        of the tracker subscribes to queue topics, and on Apache Kafka a consumer's metadata
+        holds only the topics it subscribed to.
         """
         if topic in self._ensured:
             return
-        bootstrap = self.settings.kafka_bootstrap_servers
         try:
-            source = await topic_partitions(bootstrap, like, client_config=self._client_config)
-            existing = await topic_partitions(bootstrap, topic, client_config=self._client_config)
+            # One all-topics metadata request (it creates nothing) answers for both.
+            counts = await self.scanner.partition_counts([like, topic])
         except KmqError as exc:
             if self.settings.create_topics:
                 raise  # the copy waits: it must not go to a topic auto-created with 1 partition
@@ -223,17 +223,19 @@ class Tracker:
             log.warning("cannot check the partitions of %r (%s); writing to it anyway", topic, exc)
             self._ensured.add(topic)
             return
-        wanted = source or 1
+        wanted, existing = counts[like] or 1, counts[topic]
         if existing is None and self.settings.create_topics:
-            await ensure_topic(
-                bootstrap,
+            created = await ensure_topic(
+                self.settings.kafka_bootstrap_servers,
                 topic,
                 partitions=wanted,
                 replication_factor=self.settings.markers_replication_factor,
                 configs=self.settings.output_topic_configs,
                 client_config=self._client_config,
             )
-            existing = await topic_partitions(bootstrap, topic, client_config=self._client_config)
+            # Created: ensure_topic returned once all of them had a leader. Not created:
+            # another replica did it a moment ago, with a count of its own.
+            existing = wanted if created else (await self.scanner.partition_counts([topic]))[topic]
         if existing is None:
             log.warning(
                 "topic %r does not exist (create_topics is off): writing to it relies on the "
