@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from tracker.clock import Clock, to_millis
 from tracker.engine.redeliver import OriginalsSource
+from tracker.engine.wakeup import wait_any
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalsUnavailable
 from tracker.metrics import Metrics
@@ -57,18 +58,7 @@ class PayloadKeeper:
             if copied >= self._batch:
                 continue
             self._wake.clear()
-            # Woken by new work or by the stop: a shutdown must not wait out the interval.
-            waits = {
-                asyncio.ensure_future(self._wake.wait()),
-                asyncio.ensure_future(stopping.wait()),
-            }
-            try:
-                await asyncio.wait(
-                    waits, timeout=self._interval, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                for waiting in waits:
-                    waiting.cancel()
+            await wait_any(self._wake, stopping, timeout=self._interval)
 
     async def run_once(self) -> int:
         """Copy the payloads of up to one batch of flagged entries; returns how many."""

@@ -32,6 +32,7 @@ from tracker import headers as h
 from tracker.clock import Clock, to_millis
 from tracker.engine.copies import CopyBatches
 from tracker.engine.entries import Decision, Entry, EntryKey, Plan, State, plan_due
+from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
@@ -150,15 +151,7 @@ class Redeliverer:
             # for it in the coalescing window): look again shortly.
             delay = max(NOT_READY_RECHECK, (next_due - now_ms) / 1000)
         delay = min(delay, self._max_idle)
-        wake = asyncio.ensure_future(self._wake.wait())
-        stop = asyncio.ensure_future(stopping.wait())
-        try:
-            await asyncio.wait({wake, stop}, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (wake, stop):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await wait_any(self._wake, stopping, timeout=delay)
         self._target_ms = None
 
     async def run_round(self) -> int:

@@ -45,6 +45,7 @@ from aiokafka.errors import KafkaError
 
 from tracker.clock import Clock, SystemClock, to_millis
 from tracker.engine.redeliver import OriginalsSource
+from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
@@ -254,15 +255,7 @@ class RedriveRunner:
 
     async def _pause(self, stopping: asyncio.Event, seconds: float) -> None:
         self._wake.clear()
-        wake = asyncio.ensure_future(self._wake.wait())
-        stop = asyncio.ensure_future(stopping.wait())
-        try:
-            await asyncio.wait({wake, stop}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (wake, stop):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await wait_any(self._wake, stopping, timeout=seconds)
 
     async def _run_job(self, job: RedriveJobView, token: str, stopping: asyncio.Event) -> None:
         start = self._monotonic()
