@@ -91,6 +91,8 @@ def _json_type(kind: Literal["int", "float", "bool"]) -> BeforeValidator:
 
 
 JsonInt = _json_type("int")
+JsonFloat = _json_type("float")
+JsonBool = _json_type("bool")
 
 
 def _int64_text(value: Any) -> Any:
@@ -102,9 +104,6 @@ def _int64_text(value: Any) -> Any:
     return value
 
 
-JsonFloat = _json_type("float")
-JsonBool = _json_type("bool")
-
 Reason = Annotated[str, text(1000, "Why (kept in the audit trail)."), AfterValidator(_storable)]
 TopicName = Annotated[str, Field(pattern=TOPIC_PATTERN, description="A Kafka topic name.")]
 GroupId = Annotated[
@@ -112,8 +111,9 @@ GroupId = Annotated[
     text(255, "A consumer group id.", min_length=1),
     AfterValidator(_storable),
 ]
-# The JSON type check after the constraints: it then runs first, and the constraints stay
-# number constraints (in the schema too).
+# Before-validators run last to first: digits become a number (_int64_text), then the JSON
+# type is checked (JsonInt), then the constraints, which stay number constraints (in the
+# schema too) because they come first.
 Partition = Annotated[int, Field(ge=0, le=MAX_PARTITION), JsonInt, BeforeValidator(_int64_text)]
 Offset = Annotated[int, Field(ge=0, le=MAX_OFFSET), JsonInt, BeforeValidator(_int64_text)]
 
