@@ -193,11 +193,8 @@ class KafkaProxy(TcpProxy):
                     if api_key in REWRITTEN_APIS:
                         # Recorded before the request leaves: its answer cannot overtake it.
                         pending[correlation] = (api_key, api_version)
-                if not await self._gate(link):
+                if not await self._pass(link, upstream_writer, frame):
                     break
-                upstream_writer.write(frame)
-                self.stats.forwarded_bytes += len(frame)
-                await upstream_writer.drain()
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -230,11 +227,8 @@ class KafkaProxy(TcpProxy):
                         frame = _SIZE.pack(len(payload)) + payload
                         self.rewritten_responses += 1
                         self.rewritten_addresses += count
-                if not await self._gate(link):
+                if not await self._pass(link, writer, frame):
                     break
-                writer.write(frame)
-                self.stats.forwarded_bytes += len(frame)
-                await writer.drain()
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:

@@ -333,20 +333,26 @@ class TcpProxy:
         assert self._flowing is not None
         return await _first(self._flowing, link.dropped)
 
+    async def _pass(self, link: _Link, writer: asyncio.StreamWriter, data: bytes) -> bool:
+        """Forward ``data`` to ``writer`` unless stalled; False (nothing sent) once dropped.
+
+        Stalled, the bytes are held (the sender's socket buffers fill up) until resume.
+        """
+        if not await self._gate(link):
+            return False
+        writer.write(data)
+        self.stats.forwarded_bytes += len(data)
+        await writer.drain()
+        return True
+
     async def _pump(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link
     ) -> None:
         try:
             while True:
                 data = await reader.read(_CHUNK)
-                if not data:
+                if not data or not await self._pass(link, writer, data):
                     break
-                # Stall: hold the bytes (the sender's socket buffers fill up) until resume.
-                if not await self._gate(link):
-                    break
-                writer.write(data)
-                self.stats.forwarded_bytes += len(data)
-                await writer.drain()
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
