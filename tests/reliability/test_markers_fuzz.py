@@ -242,15 +242,8 @@ async def test_a_keyless_tombstone_is_parked_not_fatal(
     async with tracker_on(
         kafka_bootstrap, sqlite_url(tmp_path / "tomb.sqlite3"), markers, markers_partitions=1
     ) as tracker:
-
-        async def past_it() -> bool:
-            offsets = await store_offsets(tracker.store, markers)
-            return offsets.get(0, -1) >= 2
-
-        await wait_until(
-            past_it,
-            within=20,
-            what="the tombstone parked and the START after it applied (ingest died?)",
+        await applied_past(
+            tracker, markers, 2, 20, "the tombstone parked and the START after it applied"
         )
         health = await tracker.health()
         entry = await tracker.store.get_entry(("tomb", topic, 0, 7))
@@ -416,16 +409,7 @@ async def test_a_marker_too_large_for_the_invalid_topic_does_not_stall_ingest(
         async with tracker_on(
             kafka_bootstrap, sqlite_url(tmp_path / "big.sqlite3"), markers, markers_partitions=1
         ) as tracker:
-
-            async def past_it() -> bool:
-                offsets = await store_offsets(tracker.store, markers)
-                return offsets.get(0, -1) >= 2
-
-            await wait_until(
-                past_it,
-                within=30,
-                what=f"ingest past the oversized marker ({tracker.ingest.last_error})",
-            )
+            await applied_past(tracker, markers, 2, 30, "ingest past the oversized marker")
             health = await tracker.health()
             entry = await tracker.store.get_entry(("big", topic, 0, 7))
         parked = await read_topic(kafka_bootstrap, f"{markers}.invalid")
@@ -443,3 +427,15 @@ async def test_a_marker_too_large_for_the_invalid_topic_does_not_stall_ingest(
         assert b"MessageSizeTooLarge" in stub, stub
         assert record.value in (b"", None)
         assert record.header(INVALID_SIZE) == b"4003"
+
+
+async def applied_past(
+    tracker: Tracker, markers: str, offset: int, within: float, what: str
+) -> None:
+    """Until the store says markers partition 0 is applied up to ``offset`` (ingest moved on)."""
+
+    async def past_it() -> bool:
+        offsets = await store_offsets(tracker.store, markers)
+        return offsets.get(0, -1) >= offset
+
+    await wait_until(past_it, within=within, what=f"{what} (ingest: {tracker.ingest.last_error})")
