@@ -28,8 +28,39 @@ from typing import Any, NamedTuple
 
 from tracker.errors import MarkerError
 from tracker.ids import MAX_TOPIC_LENGTH, MessageId, is_valid_topic
+from tracker.protocol_limits import (
+    MAX_ATTEMPT,
+    MAX_CONSUMER_LENGTH,
+    MAX_DELAY_MS,
+    MAX_GROUP_LENGTH,
+    MAX_OFFSET,
+    MAX_PARTITION,
+    MAX_REASON_LENGTH,
+    MAX_TIMEOUT_MS,
+)
+from tracker.protocol_v2 import RangeMarker, py_decode_range_marker
 
 VERSION = 1
+
+__all__ = [
+    "MAX_ATTEMPT",
+    "MAX_CONSUMER_LENGTH",
+    "MAX_DELAY_MS",
+    "MAX_GROUP_LENGTH",
+    "MAX_OFFSET",
+    "MAX_PARTITION",
+    "MAX_REASON_LENGTH",
+    "MAX_TIMEOUT_MS",
+    "AnyMarker",
+    "DecodedBatch",
+    "Marker",
+    "MarkerKind",
+    "RangeMarker",
+    "decode_batch",
+    "decode_marker",
+    "encode_marker",
+    "py_decode_marker",
+]
 
 #: Flag bits (byte 2).
 FLAG_HAS_ORIGIN = 0x01
@@ -38,14 +69,6 @@ FLAG_DEFERRED = 0x04
 _KNOWN_FLAGS = FLAG_HAS_ORIGIN | FLAG_POLICY_DELAY | FLAG_DEFERRED
 _DELAY_FLAGS = FLAG_POLICY_DELAY | FLAG_DEFERRED
 
-MAX_GROUP_LENGTH = 255
-MAX_CONSUMER_LENGTH = 255
-MAX_REASON_LENGTH = 4096
-MAX_ATTEMPT = 0xFFFF
-MAX_TIMEOUT_MS = 0xFFFFFFFF  # ~49.7 days: the longest lease one START or EXTEND can ask for
-MAX_DELAY_MS = 3650 * 24 * 3600 * 1000  # ten years: far beyond any real retention
-MAX_PARTITION = 2**31 - 1
-MAX_OFFSET = 2**63 - 1
 
 
 class MarkerKind(enum.IntEnum):
@@ -539,6 +562,19 @@ def py_decode_marker(value: bytes | bytearray | memoryview | None) -> Marker:  #
     return marker
 
 
+#: A decoded marker of either version.
+AnyMarker = Marker | RangeMarker
+
+
+def py_decode_any(value: bytes | bytearray | memoryview | None) -> AnyMarker:
+    """Parse one marker record value of either version (the version byte says which)."""
+    if type(value) is bytes and value[:1] == b"\x02":
+        return py_decode_range_marker(value)
+    if isinstance(value, bytearray | memoryview) and bytes(value[:1]) == b"\x02":
+        return py_decode_range_marker(bytes(value))
+    return py_decode_marker(value)
+
+
 def _c_decoder() -> Any:
     """The C decoder module, unless it was not built or ``KMQ_PURE_PYTHON`` is set."""
     if os.environ.get("KMQ_PURE_PYTHON"):
@@ -552,47 +588,72 @@ def _c_decoder() -> Any:
 
 
 _speedups_module = _c_decoder()
-_c_decode: Callable[[bytes], Marker] | None = (
+_c_decode: Callable[[bytes], AnyMarker] | None = (
     None if _speedups_module is None else _speedups_module.decode
 )
-_c_decode_many: Callable[[list[bytes | None]], tuple[list[Marker | None], list[tuple[int, str]]]]
+_c_decode_many: Callable[
+    [list[bytes | None]], tuple[list[AnyMarker | None], list[tuple[int, str]]]
+]
 _c_decode_many = None if _speedups_module is None else _speedups_module.decode_many  # type: ignore[assignment]
 #: Whether the C decoder is in use.
 SPEEDUPS = _c_decode is not None
 
 
-def decode_marker(value: bytes | bytearray | memoryview | None) -> Marker:
-    """Parse one marker record value. Raises :class:`MarkerError` and nothing else."""
+def decode_marker(value: bytes | bytearray | memoryview | None) -> AnyMarker:
+    """Parse one marker record value of either version. Raises :class:`MarkerError` only."""
     if _c_decode is not None:
         if type(value) is not bytes and isinstance(value, bytearray | memoryview):
             value = bytes(value)
+        if type(value) is bytes and value[:1] == b"\x02":
+            return py_decode_range_marker(value)
         return _c_decode(value)  # type: ignore[arg-type]
-    return py_decode_marker(value)
+    return py_decode_any(value)
 
 
 class DecodedBatch(NamedTuple):
     """The result of decoding many marker values, aligned with the input.
 
-    ``markers[i]`` is the marker decoded from the i-th value, or ``None`` when that value was
-    refused; ``errors`` lists ``(i, why)`` for each refused value, in input order (``why`` is
-    the message :func:`decode_marker` would raise with).
+    ``markers[i]`` is the marker decoded from the i-th value (a v1 :class:`Marker` or a v2
+    :class:`RangeMarker`), or ``None`` when that value was refused; ``errors`` lists
+    ``(i, why)`` for each refused value, in input order (``why`` is the message
+    :func:`decode_marker` would raise with).
     """
 
-    markers: list[Marker | None]
+    markers: list[AnyMarker | None]
     errors: list[tuple[int, str]]
 
 
 def decode_batch(values: Iterable[bytes | None]) -> DecodedBatch:
     """Decode many marker values; a malformed one is reported, never raised, never fatal."""
     if _c_decode_many is not None:
-        markers, errors = _c_decode_many(values if isinstance(values, list) else list(values))
+        listed = values if isinstance(values, list) else list(values)
+        markers, errors = _c_decode_many(listed)
+        if errors:
+            errors = _decode_v2_refused_by_c(listed, markers, errors)
         return DecodedBatch(markers, errors)
-    out: list[Marker | None] = []
+    out: list[AnyMarker | None] = []
     refused: list[tuple[int, str]] = []
     for value in values:
         try:
-            out.append(py_decode_marker(value))
+            out.append(py_decode_any(value))
         except MarkerError as exc:
             refused.append((len(out), str(exc)))
             out.append(None)
     return DecodedBatch(out, refused)
+
+
+def _decode_v2_refused_by_c(
+    values: list[bytes | None], markers: list[AnyMarker | None], errors: list[tuple[int, str]]
+) -> list[tuple[int, str]]:
+    """Decode in Python the v2 records a v1-only C decoder refused (``markers`` in place)."""
+    left: list[tuple[int, str]] = []
+    for index, why in errors:
+        value = values[index]
+        if isinstance(value, bytes | bytearray | memoryview) and bytes(value[:1]) == b"\x02":
+            try:
+                markers[index] = py_decode_range_marker(bytes(value))
+                continue
+            except MarkerError as exc:
+                why = str(exc)
+        left.append((index, why))
+    return left
