@@ -353,6 +353,13 @@ class MarkerEvent(BaseModel):
     deferred: bool
     consumer: str
     reason: str
+    range_offsets: tuple[int, int] | None = Field(
+        default=None,
+        description=(
+            "For a v2 range marker (docs/protocol.md), its first and last offset: the marker "
+            "covers this message along with the rest of its batch."
+        ),
+    )
 
 
 class MarkerHistory(BaseModel):

@@ -19,7 +19,8 @@ from tracker.errors import MarkerError
 from tracker.kafka.originals import OriginalRecord
 from tracker.kafka.scan import PartitionScanner
 from tracker.partitioning import marker_key
-from tracker.protocol import Marker, decode_marker
+from tracker.protocol import Marker, RangeMarker, decode_marker
+from tracker.protocol_v2 import RangeKind
 
 from .models import (
     BytesPreview,
@@ -84,6 +85,33 @@ def payload_preview(
     )
 
 
+_RANGE_EVENT_KINDS = {
+    RangeKind.RANGE_START: "start",
+    RangeKind.RANGE_SETTLE: "ack",
+    RangeKind.RANGE_EXTEND: "extend",
+}
+
+
+def _range_event(
+    marker: RangeMarker, message_offset: int, offset: int, timestamp: int | None
+) -> MarkerEvent:
+    """A v2 range marker as the event it is for one message it covers."""
+    return MarkerEvent(
+        kind=_RANGE_EVENT_KINDS[marker.kind],
+        attempt=1,
+        record=Position(topic=marker.topic, partition=marker.partition, offset=message_offset),
+        markers_offset=offset,
+        timestamp=_time(timestamp),
+        timeout_ms=marker.timeout_ms,
+        delay_ms=0,
+        policy_delay=False,
+        deferred=False,
+        consumer=marker.consumer,
+        reason="",
+        range_offsets=(marker.first_offset, marker.last_offset),
+    )
+
+
 def _event(marker: Marker, offset: int, timestamp: int | None) -> MarkerEvent:
     return MarkerEvent(
         kind=marker.kind.name.lower(),
@@ -121,6 +149,22 @@ async def marker_history(
         try:
             marker = decode_marker(getattr(record, "value", None))
         except MarkerError:
+            return
+        if isinstance(marker, RangeMarker):
+            shift = offset - marker.first_offset
+            if (
+                (marker.group, marker.topic, marker.partition) == (group, topic, partition)
+                and 0 <= shift < marker.width
+                and (marker.covered >> shift) & 1
+            ):
+                events.append(
+                    _range_event(
+                        marker,
+                        offset,
+                        getattr(record, "offset", -1),
+                        getattr(record, "timestamp", None),
+                    )
+                )
             return
         if (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset) == (
             group,

@@ -38,7 +38,7 @@ from tracker.protocol_limits import (
     MAX_REASON_LENGTH,
     MAX_TIMEOUT_MS,
 )
-from tracker.protocol_v2 import RangeMarker, py_decode_range_marker
+from tracker.protocol_v2 import RangeMarker, encode_range_marker, py_decode_range_marker
 
 VERSION = 1
 
@@ -58,6 +58,7 @@ __all__ = [
     "RangeMarker",
     "decode_batch",
     "decode_marker",
+    "encode_any",
     "encode_marker",
     "py_decode_marker",
 ]
@@ -68,7 +69,6 @@ FLAG_POLICY_DELAY = 0x02
 FLAG_DEFERRED = 0x04
 _KNOWN_FLAGS = FLAG_HAS_ORIGIN | FLAG_POLICY_DELAY | FLAG_DEFERRED
 _DELAY_FLAGS = FLAG_POLICY_DELAY | FLAG_DEFERRED
-
 
 
 class MarkerKind(enum.IntEnum):
@@ -352,6 +352,13 @@ def encode_marker(marker: Marker) -> bytes:
     return b"".join(parts)
 
 
+def encode_any(marker: Marker | RangeMarker) -> bytes:
+    """Serialize a marker of either version (v1 :class:`Marker`, v2 :class:`RangeMarker`)."""
+    if isinstance(marker, RangeMarker):
+        return encode_range_marker(marker)
+    return encode_marker(marker)
+
+
 # --------------------------------------------------------------------------------------------
 # Decoding
 #
@@ -591,9 +598,7 @@ _speedups_module = _c_decoder()
 _c_decode: Callable[[bytes], AnyMarker] | None = (
     None if _speedups_module is None else _speedups_module.decode
 )
-_c_decode_many: Callable[
-    [list[bytes | None]], tuple[list[AnyMarker | None], list[tuple[int, str]]]
-]
+_c_decode_many: Callable[[list[bytes | None]], tuple[list[AnyMarker | None], list[tuple[int, str]]]]
 _c_decode_many = None if _speedups_module is None else _speedups_module.decode_many  # type: ignore[assignment]
 #: Whether the C decoder is in use.
 SPEEDUPS = _c_decode is not None

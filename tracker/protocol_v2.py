@@ -295,20 +295,22 @@ def encode_range_marker(marker: RangeMarker) -> bytes:
         elif marker.timeout_ms:
             raise MarkerError("a RANGE_SETTLE carries no timeout")
 
-    flags = 0
-    if exceptions:
-        bitmap_size = 4 + (width + 7) // 8
-        runs = runs_from_bits(exceptions) if exceptions.bit_count() * 8 < bitmap_size else None
-        if runs is not None and 2 + 8 * len(runs) < bitmap_size:
-            flags = FLAG_EXCEPTIONS_RUNS
-            tail.append(_U16.pack(len(runs)))
-            tail += [_RUN.pack(start, length) for start, length in runs]
-        else:
-            flags = FLAG_EXCEPTIONS_BITMAP
-            size = (width + 7) // 8
-            tail += [_U32.pack(size), exceptions.to_bytes(size, "little")]
+    flags = _encode_exceptions(exceptions, width, tail) if exceptions else 0
     head = _HEAD.pack(VERSION, kind, flags, marker.partition, first, last, len(topic))
     return b"".join([head, topic, _U16.pack(len(group)), group, *tail])
+
+
+def _encode_exceptions(exceptions: int, width: int, out: list[bytes]) -> int:
+    """Append ``exceptions`` as runs or as a bitmap, whichever is smaller; return the flag."""
+    bitmap_size = 4 + (width + 7) // 8
+    runs = runs_from_bits(exceptions) if exceptions.bit_count() * 8 < bitmap_size else None
+    if runs is not None and 2 + 8 * len(runs) < bitmap_size:
+        out.append(_U16.pack(len(runs)))
+        out += [_RUN.pack(start, length) for start, length in runs]
+        return FLAG_EXCEPTIONS_RUNS
+    size = (width + 7) // 8
+    out += [_U32.pack(size), exceptions.to_bytes(size, "little")]
+    return FLAG_EXCEPTIONS_BITMAP
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +351,7 @@ def _name(raw: bytes, what: str) -> str:
     return text
 
 
-def py_decode_range_marker(value: bytes) -> RangeMarker:  # noqa: PLR0912, PLR0915
+def py_decode_range_marker(value: bytes) -> RangeMarker:  # noqa: PLR0915
     """Parse one v2 record value. Raises :class:`MarkerError` and nothing else.
 
     The reference decoder; ``tracker/_speedups.c`` implements the same rules.

@@ -113,7 +113,7 @@ async def test_readme_client_tour_runs(
 
         def markers_of(value: bytes) -> list[Marker]:
             decoded = [decode_marker(r.value) for r in seen.on(markers)]
-            return [m for m in decoded if m.origin == record(value)]
+            return [m for m in decoded if isinstance(m, Marker) and m.origin == record(value)]
 
         async def delayed_is_tracked() -> bool:
             entries = await tracker.store.list_entries(group=group)

@@ -24,7 +24,13 @@ from tracker.engine.entries import Entry, State
 from tracker.settings import TrackerSettings
 from tracker.store.admin import actions_table, items_table, jobs_table
 from tracker.store.counts import CountChanges
-from tracker.store.manager import dead_letters, partitions_table, tracked, tracked_counts
+from tracker.store.manager import (
+    dead_letters,
+    partitions_table,
+    ranges_table,
+    tracked,
+    tracked_counts,
+)
 
 from .engine_support import tracker_settings
 
@@ -53,6 +59,7 @@ async def reset_tables(context: ApiContext) -> None:
             jobs_table,
             actions_table,
             tracked,
+            ranges_table,
             tracked_counts,
             partitions_table,
             dead_letters,

@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tracker.client.markers import KafkaMarkerSink
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
-from tracker.protocol import Marker, decode_marker
+from tracker.protocol import AnyMarker, Marker, decode_marker
 
 from .api_support import ApiEnv, api_env
 
@@ -30,13 +30,13 @@ async def env(
         yield env
 
 
-async def read_markers(bootstrap: str, topic: str) -> list[tuple[int, bytes, Marker]]:
+async def read_markers(bootstrap: str, topic: str) -> list[tuple[int, bytes, AnyMarker]]:
     """Every record of the markers topic: (partition, key, decoded marker)."""
     async with AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False) as consumer:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
-        out: list[tuple[int, bytes, Marker]] = []
+        out: list[tuple[int, bytes, AnyMarker]] = []
         idle = 0
         while idle < 3:
             batch = await consumer.getmany(timeout_ms=200)
@@ -130,12 +130,14 @@ async def test_single_and_batched_markers_land_on_the_markers_topic(env: ApiEnv)
         Marker.ack("billing", MessageId("payments", 0, 7)),
     ]
     found = await read_markers(env.bootstrap, env.markers)
+    assert all(isinstance(m, Marker) for _, _, m in found), "the sidecar writes v1 markers"
+    singles = [m for _, _, m in found if isinstance(m, Marker)]
     # Ordered within each markers partition; every marker on its origin's partition.
-    assert sorted((m for _, _, m in found), key=expected.index) == expected
+    assert sorted(singles, key=expected.index) == expected
     for partition, key, marker in found:
         assert partition == markers_partition(marker.origin_topic, marker.origin_partition, 4)
         assert key == marker_key(marker.origin_topic, marker.origin_partition)
-    on_orders_3 = [m for p, _, m in found if m.origin == MessageId("orders", 3, 42)]
+    on_orders_3 = [m for m in singles if m.origin == MessageId("orders", 3, 42)]
     assert [m.kind.name for m in on_orders_3] == ["START", "EXTEND", "DELAY"]
     metrics = (await env.anonymous.get("/metrics")).text
     assert 'kmq_sidecar_markers_total{kind="delay"} 3.0' in metrics

@@ -110,7 +110,7 @@ async def test_start_is_on_the_broker_and_offset_committed_before_the_app_sees_i
 
     assert len(received) == 30
     found = await read_markers(kafka_bootstrap, markers, at_least=30)
-    starts = [r.marker for r in found if r.marker.kind is MarkerKind.START]
+    starts = [r.single for r in found if r.single.kind is MarkerKind.START]
     assert len(found) == len(starts) == 30, "exactly one START per message, nothing else"
     assert sorted((m.partition, m.offset) for m in starts) == sorted(received)
     assert all(m.group == group and m.timeout_ms == 30_000 for m in starts)
@@ -142,20 +142,20 @@ async def test_verbs_write_the_right_markers_with_the_right_fields(
     assert len(found) == 11
     by_offset: dict[int, list[MarkerKind]] = collections.defaultdict(list)
     for record in found:
-        by_offset[record.marker.offset].append(record.marker.kind)
+        by_offset[record.single.offset].append(record.single.kind)
         assert record.key == marker_key(topic, 0)
         assert record.partition == markers_partition(topic, 0, 3)
-        assert record.marker.group == f"group-{topic}"
-        assert record.marker.origin == record.marker.message
+        assert record.single.group == f"group-{topic}"
+        assert record.single.origin == record.single.message
     offset = {m.value: m.offset for m in messages.values()}
     assert by_offset[offset[b"ack"]] == [MarkerKind.START, MarkerKind.ACK]
     assert by_offset[offset[b"extend"]] == [MarkerKind.START, MarkerKind.EXTEND, MarkerKind.ACK]
     assert by_offset[offset[b"bad"]] == [MarkerKind.START, MarkerKind.REJECT]
-    last = {r.marker.offset: r.marker for r in found}
+    last = {r.single.offset: r.single for r in found}
     assert (last[offset[b"retry"]].delay_ms, last[offset[b"retry"]].reason) == (45_000, "db busy")
     assert last[offset[b"retry-policy"]].policy_delay
     assert last[offset[b"bad"]].reason == "schema violation"
-    extend = next(r.marker for r in found if r.marker.kind is MarkerKind.EXTEND)
+    extend = next(r.single for r in found if r.single.kind is MarkerKind.EXTEND)
     assert extend.timeout_ms == 600_000
 
 
@@ -188,8 +188,8 @@ async def test_markers_of_one_message_stay_in_order_on_one_partition_across_topi
     sequences: dict[MessageId, list[MarkerKind]] = collections.defaultdict(list)
     partitions: dict[MessageId, set[int]] = collections.defaultdict(set)
     for record in found:  # sorted by (partition, offset): the order the tracker reads them
-        sequences[record.marker.origin].append(record.marker.kind)
-        partitions[record.marker.origin].add(record.partition)
+        sequences[record.single.origin].append(record.single.kind)
+        partitions[record.single.origin].add(record.partition)
     expected = [MarkerKind.START, *[MarkerKind.EXTEND] * 3, MarkerKind.ACK]
     assert len(sequences) == 2 * per_topic
     assert all(seq == expected for seq in sequences.values())
@@ -215,14 +215,14 @@ async def test_a_delayed_message_is_not_handed_over_early(
     assert await committed_offset(kafka_bootstrap, f"group-{topic}", topic, 0) == 2
 
     found = await read_markers(kafka_bootstrap, markers, at_least=3)
-    kinds = {r.marker.offset: [] for r in found}  # type: dict[int, list[MarkerKind]]
+    kinds = {r.single.offset: [] for r in found}  # type: dict[int, list[MarkerKind]]
     for r in found:
-        kinds[r.marker.offset].append(r.marker.kind)
+        kinds[r.single.offset].append(r.single.kind)
     assert kinds == {0: [MarkerKind.DELAY], 1: [MarkerKind.START, MarkerKind.ACK]}
-    delay = next(r for r in found if r.marker.kind is MarkerKind.DELAY)
-    assert delay.marker.reason == "deliver-at"
+    delay = next(r for r in found if r.single.kind is MarkerKind.DELAY)
+    assert delay.single.reason == "deliver-at"
     # Relative to the marker's timestamp, the due time is ~30 minutes after the send.
-    due_ms = delay.timestamp_ms + delay.marker.delay_ms
+    due_ms = delay.timestamp_ms + delay.single.delay_ms
     expected_ms = (sent_at + timedelta(minutes=30)).timestamp() * 1000
     assert abs(due_ms - expected_ms) < 5_000
 
@@ -277,7 +277,7 @@ async def test_redelivered_copies_expose_origin_attempt_key_headers_and_skip_oth
     assert copy.headers == (("trace", b"x"),)
     found = await read_markers(kafka_bootstrap, markers, at_least=4)
     assert len(found) == 4, "no marker is written for another group's copy"
-    copy_markers = [r.marker for r in found if r.marker.offset == copy.offset]
+    copy_markers = [r.single for r in found if r.single.offset == copy.offset]
     assert all(m.origin == origin and m.attempt == 3 for m in copy_markers)
     assert len({r.partition for r in found}) == 1, "copy and origin markers share a partition"
 

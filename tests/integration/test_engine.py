@@ -310,7 +310,9 @@ async def test_delayed_message_is_handed_over_only_when_due(env: dict[str, str])
         )
         assert metrics.redeliveries.labels(topic)._value.get() == 0
     [delay] = markers_for(watcher, markers, MarkerKind.DELAY)
-    assert decode_marker(delay.value).deferred
+    deferred = decode_marker(delay.value)
+    assert isinstance(deferred, Marker)
+    assert deferred.deferred
     [copy] = copies(watcher, topic)
     assert copy.timestamp_ms >= metadata.timestamp + 4000, "republished before it was due"
     assert copy.header(h.DELIVER_AT) is None
@@ -401,7 +403,9 @@ async def test_retry_without_delay_follows_the_backoff_policy(env: dict[str, str
         await producer.send(topic, b"job")
         await watcher.wait_for(lambda _: len(copies(watcher, topic)) == 1, what="the copy")
     [delay] = markers_for(watcher, markers, MarkerKind.DELAY)
-    assert decode_marker(delay.value).policy_delay
+    policy_delay = decode_marker(delay.value)
+    assert isinstance(policy_delay, Marker)
+    assert policy_delay.policy_delay
     [copy] = copies(watcher, topic)
     assert copy.timestamp_ms >= delay.timestamp_ms + 1800  # 2 s -10% jitter
 

@@ -35,6 +35,7 @@ from tracker.store.manager import (
     StoredPayload,
     dead_letters,
     partitions_table,
+    ranges_table,
     tracked,
     tracked_counts,
 )
@@ -80,7 +81,7 @@ def pending(marker: Marker, ref_ms: int, offset: int, markers_partition: int = 0
 
 async def _reset(store: Store) -> None:
     async with store.engine.begin() as conn:
-        for table in (tracked, tracked_counts, partitions_table, dead_letters):
+        for table in (tracked, ranges_table, tracked_counts, partitions_table, dead_letters):
             await conn.execute(delete(table))
 
 

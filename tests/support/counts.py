@@ -14,7 +14,13 @@ from typing import Any
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tracker.store.manager import dead_letter_counts, dead_letters, tracked, tracked_counts
+from tracker.store.manager import (
+    dead_letter_counts,
+    dead_letters,
+    ranges_table,
+    tracked,
+    tracked_counts,
+)
 
 
 async def counters_and_recount(engine: AsyncEngine) -> tuple[Any, Any]:
@@ -37,6 +43,16 @@ async def counters_and_recount(engine: AsyncEngine) -> tuple[Any, Any]:
                 )
             )
         }
+        # Every open offset of a tracked range is one in-flight entry.
+        r = ranges_table.c
+        for p, topic, n in await conn.execute(
+            select(r.markers_partition, r.origin_topic, func.sum(r.open_count)).group_by(
+                r.markers_partition, r.origin_topic
+            )
+        ):
+            if n:
+                count_key = (p, topic, "in_flight")
+                entries[count_key] = entries.get(count_key, 0) + int(n)
         kept_dead = {
             topic: (total, waiting)
             for topic, total, waiting in await conn.execute(

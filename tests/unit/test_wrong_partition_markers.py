@@ -95,7 +95,7 @@ async def sort(
     """``(markers accepted, (category, reason, offset) of each refused record)``."""
     records = [Record(partition, offset, value) for offset, value in enumerate(values)]
     out = await ingest._sort(partition, _Partition(epoch=1), records)
-    accepted = [pending.marker for _, pending in out.accepted]
+    accepted = [pending.marker for _, pending in out.accepted if isinstance(pending.marker, Marker)]
     rejected = [(r.category, r.reason, r.record.offset) for r in out.rejected]
     return accepted, rejected
 

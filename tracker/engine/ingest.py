@@ -28,11 +28,12 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from tracker.clock import Clock, to_millis
-from tracker.engine.entries import EntryKey, PolicyLookup, entry_key
+from tracker.engine.entries import EntryKey, PolicyLookup
 from tracker.engine.parking import InvalidMarkerParker, Rejected
+from tracker.engine.ranges import LaneKey, lane_of, touched
 from tracker.metrics import Metrics
 from tracker.partitioning import marker_key, markers_partition
-from tracker.protocol import Marker, decode_batch
+from tracker.protocol import AnyMarker, RangeMarker, decode_batch
 from tracker.store import Fenced, Store, StoreUnavailable
 from tracker.store.manager import PartitionProgress, PendingMarker
 
@@ -54,7 +55,7 @@ class MarkerCheck(Protocol):
 
     async def prepare(self, topics: Iterable[str]) -> None: ...
 
-    def check(self, marker: Marker) -> str | None: ...
+    def check(self, marker: AnyMarker) -> str | None: ...
 
 
 @dataclass(slots=True)
@@ -116,7 +117,10 @@ class MarkerIngest:
         self._metrics = metrics
         self._window = coalesce_window
         self._grace_ms = ack_grace_ms
+        #: v1 markers waiting in the coalescing window, per entry key
         self._pending_keys: Counter[EntryKey] = Counter()
+        #: v2 range markers waiting in the coalescing window, per lane and span
+        self._pending_spans: dict[LaneKey, Counter[tuple[int, int]]] = {}
         self._max_records = max_records
         self._max_pending = max_pending
         self._check = check_marker
@@ -151,8 +155,16 @@ class MarkerIngest:
 
     def pending_keys(self, keys: Iterable[EntryKey]) -> set[EntryKey]:
         """The keys among ``keys`` that have markers waiting in the coalescing window."""
-        pending = self._pending_keys
-        return {key for key in keys if key in pending}
+        pending, lanes = self._pending_keys, self._pending_spans
+        found: set[EntryKey] = set()
+        for key in keys:
+            if key in pending:
+                found.add(key)
+            elif lanes:
+                spans = lanes.get((key[0], key[1], key[2]))
+                if spans and any(first <= key[3] <= last for first, last in spans):
+                    found.add(key)
+        return found
 
     def listener(self) -> ConsumerRebalanceListener:
         ingest = self
@@ -315,7 +327,7 @@ class MarkerIngest:
         """How many partitions the markers topic has (the consumer's metadata; 0: unknown)."""
         return len(self._consumer.partitions_for_topic(self._topic) or ())
 
-    def _verdict(self, marker: Marker, partition: int, total: int) -> tuple[str, str] | None:
+    def _verdict(self, marker: AnyMarker, partition: int, total: int) -> tuple[str, str] | None:
         """``(category, reason)`` if ``marker``, read on ``partition``, must be refused.
 
         A marker must sit on its origin's markers partition (docs/protocol.md, "The marker
@@ -365,10 +377,9 @@ class MarkerIngest:
     def _accept(self, batch: _Sorted) -> None:
         """Queue a partition's valid markers for the coalescing window."""
         kinds: Counter[str] = Counter()
-        pending_keys = self._pending_keys
         for _, pending in batch.accepted:
             kinds[pending.marker.kind.name] += 1
-            pending_keys[entry_key(pending.marker)] += 1
+            self._hold(pending.marker, 1)
         for kind, count in kinds.items():
             self._metrics.markers_ingested.labels(kind).inc(count)
         batch.state.pending.extend(batch.accepted)
@@ -498,12 +509,7 @@ class MarkerIngest:
             state = self._owned[partition]
             for _ in range(n):
                 _, pending = state.pending.popleft()
-                key = entry_key(pending.marker)
-                left = self._pending_keys[key] - 1
-                if left > 0:
-                    self._pending_keys[key] = left
-                else:
-                    del self._pending_keys[key]
+                self._hold(pending.marker, -1)
             state.applied_next = progress[partition].next_offset
         await self._commit(progress)
         if result.anomalies:
@@ -535,10 +541,30 @@ class MarkerIngest:
         if state is None:
             return
         for _, pending in state.pending:
-            key = entry_key(pending.marker)
-            self._pending_keys[key] -= 1
-            if self._pending_keys[key] <= 0:
+            self._hold(pending.marker, -1)
+
+    def _hold(self, marker: AnyMarker, delta: int) -> None:
+        """Count ``marker`` in (``delta`` 1) or out of (-1) the coalescing window."""
+        if not isinstance(marker, RangeMarker):
+            key = (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset)
+            left = self._pending_keys[key] + delta
+            if left > 0:
+                self._pending_keys[key] = left
+            else:
                 del self._pending_keys[key]
+            return
+        lane = lane_of(marker)
+        span = touched(marker)
+        spans = self._pending_spans.get(lane)
+        if spans is None:
+            spans = self._pending_spans[lane] = Counter()
+        left = spans[span] + delta
+        if left > 0:
+            spans[span] = left
+        else:
+            del spans[span]
+            if not spans:
+                del self._pending_spans[lane]
 
     def _fenced(self, partitions: set[int]) -> None:
         log.warning("fenced out of markers partitions %s: another replica owns them", partitions)

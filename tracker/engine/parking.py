@@ -36,7 +36,7 @@ from aiokafka.errors import (
     RecordTooLargeError,
 )
 
-from tracker.protocol import encode_marker
+from tracker.protocol import encode_any
 from tracker.store.manager import PendingMarker
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class InvalidMarkerParker:
             futures = [
                 await self._producer.send(
                     self._topic,
-                    value=encode_marker(pending.marker),
+                    value=encode_any(pending.marker),
                     headers=self._headers(
                         "anomaly", why, pending.markers_partition, pending.markers_offset
                     ),

@@ -19,7 +19,7 @@ from aiokafka.errors import KafkaError
 
 from tracker.engine.entries import ResolvedPolicy
 from tracker.kafka.admin import topic_retention_ms
-from tracker.protocol import Marker
+from tracker.protocol import AnyMarker
 from tracker.settings import TopicPolicy, TrackerSettings
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class TopicCatalog:
             self._retention[topic] = None
         self._resolved.pop(topic, None)
 
-    def check(self, marker: Marker) -> str | None:
+    def check(self, marker: AnyMarker) -> str | None:
         """Why ``marker`` names something that does not exist (None when it is fine)."""
         for topic, partition in (
             (marker.topic, marker.partition),

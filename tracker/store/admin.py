@@ -51,6 +51,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.engine.entries import OPERATOR_PREFIX, Entry, EntryKey, State
+from tracker.engine.ranges import RANGE_COLUMN_NAMES, TrackedRange
 from tracker.errors import KmqError
 
 from .counts import CountChanges
@@ -65,6 +66,7 @@ from .manager import (
     decode_headers,
     entry_from_values,
     partitions_table,
+    ranges_table,
     tracked,
     tracked_counts,
 )
@@ -168,6 +170,13 @@ def _entry_where(query: Select[Any], flt: EntryFilter) -> Select[Any]:
     if flt.min_attempt is not None:
         query = query.where(tracked.c.attempt >= flt.min_attempt)
     return query
+
+
+def _sort_key(order: EntryOrder) -> Any:
+    """The keyset sort key of a listing in ``order`` (as ``after`` gives it)."""
+    if order is EntryOrder.KEY:
+        return lambda view: view.entry.key
+    return lambda view: (view.entry.due_at_ms, *view.entry.key)
 
 
 # -- operator actions ---------------------------------------------------------------------------
@@ -606,17 +615,110 @@ class AdminStore:
             query = query.order_by(*sort)
         async with self._transaction(read_only=True) as conn:
             rows = await conn.execute(query.limit(limit))
-            return [_entry_view(row) for row in rows]
+            views = [_entry_view(row) for row in rows]
+            in_ranges = await self._range_views(conn, flt, order, after, limit)
+        if not in_ranges:
+            return views
+        sort_key = _sort_key(order)
+        return sorted([*views, *in_ranges], key=sort_key)[:limit]
+
+    async def _range_views(
+        self,
+        conn: AsyncConnection,
+        flt: EntryFilter,
+        order: EntryOrder,
+        after: Sequence[Any] | None,
+        limit: int,
+    ) -> list[EntryView]:
+        """The first ``limit`` entries (in ``order``, after ``after``) that tracked ranges
+        stand for (``tracker/engine/ranges.py``): each open offset is an in-flight entry.
+
+        Ranges are read in (lane, first offset) order, or (due, lane, first offset): the
+        first ``limit`` of them hold the first ``limit`` entries, because every range holds
+        its first offset. Only where ``after`` falls inside a lane are the ranges that
+        straddle it (first offset before it, last after it) read as well.
+        """
+        if flt.states and State.IN_FLIGHT not in flt.states:
+            return []
+        if flt.min_attempt is not None and flt.min_attempt > 1:
+            return []
+        r = ranges_table.c
+        base = select(*(r[name] for name in RANGE_COLUMN_NAMES))
+        if flt.topic is not None:
+            base = base.where(r.origin_topic == flt.topic)
+        if flt.partition is not None:
+            base = base.where(r.origin_partition == flt.partition)
+        if flt.group is not None:
+            base = base.where(r.group_id == flt.group)
+        if flt.due_before_ms is not None:
+            base = base.where(r.due_at_ms < flt.due_before_ms)
+        if flt.due_after_ms is not None:
+            base = base.where(r.due_at_ms >= flt.due_after_ms)
+        lane = (r.group_id, r.origin_topic, r.origin_partition)
+        queries: list[Select[Any]] = []
+        by: tuple[Any, ...]
+        if order is EntryOrder.KEY:
+            by = (*lane, r.first_offset)
+            if after is None:
+                queries.append(base.order_by(*by).limit(limit))
+            else:
+                here = [c == v for c, v in zip(lane, after[:3], strict=True)]
+                o = after[3]
+                queries += [
+                    base.where(*here, r.first_offset <= o, r.last_offset > o),
+                    base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
+                    base.where(tuple_(*lane) > _typed(lane, after[:3])).order_by(*by).limit(limit),
+                ]
+        else:
+            by = (r.due_at_ms, *lane, r.first_offset)
+            if after is None:
+                queries.append(base.order_by(*by).limit(limit))
+            else:
+                due, o = after[0], after[4]
+                here = [
+                    r.due_at_ms == due,
+                    *(c == v for c, v in zip(lane, after[1:4], strict=True)),
+                ]
+                later = (r.due_at_ms, *lane)
+                queries += [
+                    base.where(*here, r.first_offset <= o, r.last_offset > o),
+                    base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
+                    base.where(tuple_(*later) > _typed(later, after[:4]))
+                    .order_by(*by)
+                    .limit(limit),
+                ]
+        found: dict[tuple[Any, ...], TrackedRange] = {}
+        for query in queries:
+            for row in await conn.execute(query):
+                tracked_range = TrackedRange.from_row(row)
+                found[tracked_range.key] = tracked_range
+        sort_key = _sort_key(order)
+        views: list[EntryView] = []
+        for tracked_range in found.values():
+            taken = 0
+            for offset in tracked_range.offsets():
+                view = EntryView(tracked_range.entry_at(offset), False)
+                if after is not None and sort_key(view) <= tuple(after):
+                    continue
+                views.append(view)
+                taken += 1
+                if taken >= limit:
+                    break
+        return views
 
     async def get_entry(self, key: EntryKey) -> EntryView | None:
         async with self._transaction(read_only=True) as conn:
             return await self._get(conn, key)
 
     async def _get(self, conn: AsyncConnection, key: EntryKey) -> EntryView | None:
+        """The entry of ``key``: its own row, or what the tracked range holding it stands for."""
         row = (
             await conn.execute(select(*_ENTRY_COLUMNS).where(tuple_(*KEY_COLUMNS) == key))
         ).first()
-        return _entry_view(row) if row is not None else None
+        if row is not None:
+            return _entry_view(row)
+        holder = await self.store.range_holding(conn, key)
+        return None if holder is None else EntryView(holder.entry_at(key[3]), False)
 
     async def stored_payload(self, key: EntryKey) -> StoredPayload | None:
         """The payload copy the store keeps for a long delay, if any."""
@@ -733,6 +835,10 @@ class AdminStore:
                     .values(updated_ms=partitions_table.c.updated_ms)
                 )
                 view = await self._get(conn, request.key)
+                if view is not None and view.entry.claim_token is None:
+                    # An action changes one message: if a tracked range holds it, it leaves
+                    # the range for an entry row of its own first (the rest stay together).
+                    await self.store.split_from_range(conn, request.key)
             state_before: str | None = None
             state_after: str | None = None
             due_after: int | None = None
@@ -865,7 +971,27 @@ class AdminStore:
                 found = (await conn.execute(select(*queries))).one()
                 for (counts, attribute, _), value in zip(chunk, found, strict=True):
                     setattr(counts, attribute, value)
+            await self._oldest_in_ranges(conn, out)
         return out
+
+    async def _oldest_in_ranges(
+        self, conn: AsyncConnection, counts: dict[str, TopicCounts]
+    ) -> None:
+        """Let the tracked ranges' first-seen times count for the oldest in-flight message."""
+        topics = sorted(name for name, c in counts.items() if c.in_flight)
+        r = ranges_table.c
+        for chunk in chunks(topics, _CHUNK):
+            rows = await conn.execute(
+                select(r.origin_topic, func.min(r.first_seen_ms))
+                .where(r.origin_topic.in_(chunk))
+                .group_by(r.origin_topic)
+            )
+            for name, seen in rows:
+                if seen is None:
+                    continue
+                topic = counts[name]
+                oldest = topic.oldest_in_flight_first_seen_ms
+                topic.oldest_in_flight_first_seen_ms = seen if oldest is None else min(oldest, seen)
 
     # -- dead letters -----------------------------------------------------------------------
 

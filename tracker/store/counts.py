@@ -67,9 +67,18 @@ def _key(entry: Entry) -> CountKey:
 
 
 async def recount(
-    conn: AsyncConnection, counts: Table, entries: Table, partitions: Iterable[int]
+    conn: AsyncConnection,
+    counts: Table,
+    entries: Table,
+    partitions: Iterable[int],
+    *,
+    ranges: Table | None = None,
+    engine: AsyncEngine | None = None,
 ) -> None:
     """Set the counters of ``partitions`` to a count of their entries.
+
+    The open offsets of tracked ``ranges`` count as in-flight entries (they are: one range
+    row stands for one in-flight entry per open offset).
 
     Call with the partitions' rows locked (as a takeover does), so nobody writes entries of
     theirs meanwhile.
@@ -89,3 +98,18 @@ async def recount(
             ["markers_partition", "origin_topic", "state", "entries"], counted
         )
     )
+    if ranges is None or engine is None:
+        return
+    r = ranges.c
+    summed = await conn.execute(
+        select(r.markers_partition, r.origin_topic, func.sum(r.open_count))
+        .where(r.markers_partition.in_(owned))
+        .group_by(r.markers_partition, r.origin_topic)
+    )
+    rows = [
+        {"markers_partition": p, "origin_topic": t, "state": "in_flight", "entries": int(n)}
+        for p, t, n in summed
+        if n
+    ]
+    if rows:
+        await conn.execute(add_to_counters(engine, counts, ["entries"], rows))

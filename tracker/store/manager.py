@@ -18,7 +18,7 @@ import operator
 import struct
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -30,6 +30,7 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
+    or_,
     select,
     true,
     tuple_,
@@ -39,9 +40,20 @@ from sqlalchemy import (
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tracker.engine.entries import Entry, EntryKey, PolicyLookup, State, apply_marker, entry_key
+from tracker.engine.entries import Entry, EntryKey, PolicyLookup, State
+from tracker.engine.ranges import (
+    RANGE_COLUMN_NAMES,
+    LaneKey,
+    LaneMarker,
+    LaneState,
+    RangeKey,
+    TrackedRange,
+    fold_lane,
+    lane_of,
+    touched,
+)
 from tracker.errors import KmqError
-from tracker.protocol import Marker
+from tracker.protocol import AnyMarker, RangeMarker
 
 from .counts import CountChanges, recount
 from .dialects import (
@@ -55,14 +67,29 @@ from .dialects import (
     upsert_rows,
 )
 from .errors import Fenced, StoreUnavailable
-from .models import DeadLetter, DeadLetterCount, MarkersPartition, TrackedCount, TrackedMessage
+from .models import (
+    DeadLetter,
+    DeadLetterCount,
+    MarkersPartition,
+    TrackedCount,
+    TrackedMessage,
+    TrackedRangeRow,
+)
 
 tracked: Table = TrackedMessage.__table__  # type: ignore[assignment]
+ranges_table: Table = TrackedRangeRow.__table__  # type: ignore[assignment]
 partitions_table: Table = MarkersPartition.__table__  # type: ignore[assignment]
 dead_letters: Table = DeadLetter.__table__  # type: ignore[assignment]
 tracked_counts: Table = TrackedCount.__table__  # type: ignore[assignment]
 dead_letter_counts: Table = DeadLetterCount.__table__  # type: ignore[assignment]
 
+#: The columns of a tracked range's key, in key order.
+RANGE_KEY_COLUMNS = (
+    ranges_table.c.group_id,
+    ranges_table.c.origin_topic,
+    ranges_table.c.origin_partition,
+    ranges_table.c.first_offset,
+)
 #: The columns of an entry's key, in key order.
 KEY_COLUMNS = (
     tracked.c.group_id,
@@ -92,6 +119,14 @@ ENTRY_COLUMN_NAMES = (
 )
 _UPDATE_COLUMNS = ENTRY_COLUMN_NAMES[4:]
 _KEY_CHUNK = 500
+#: lanes (or spans) per statement of the range-aware loads
+_LANE_CHUNK = 100
+_RANGE_UPDATE_COLUMNS = RANGE_COLUMN_NAMES[4:]
+_RANGE_LANE = (
+    ranges_table.c.group_id,
+    ranges_table.c.origin_topic,
+    ranges_table.c.origin_partition,
+)
 #: what an entry is counted by (tracker.store.counts)
 _COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
 _ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of ENTRY_COLUMN_NAMES
@@ -102,7 +137,7 @@ _T = TypeVar("_T")
 class PendingMarker:
     """A decoded marker waiting to be applied, with where it came from."""
 
-    marker: Marker
+    marker: AnyMarker  #: a v1 marker or a v2 range marker
     ref_ms: int  #: the reference time of its durations (record timestamp, clamped)
     markers_partition: int
     markers_offset: int
@@ -287,6 +322,20 @@ def _row_from_entry(entry: Entry) -> tuple[Any, ...]:
     )
 
 
+def _merge_spans(
+    spans: Iterable[tuple[LaneKey, int, int]],
+) -> list[tuple[LaneKey, int, int]]:
+    """Overlapping or adjacent spans of one lane merged (fewer, simpler range queries)."""
+    merged: list[tuple[LaneKey, int, int]] = []
+    for lane, first, last in sorted(spans):
+        if merged and merged[-1][0] == lane and first <= merged[-1][2] + 1:
+            if last > merged[-1][2]:
+                merged[-1] = (lane, merged[-1][1], last)
+        else:
+            merged.append((lane, first, last))
+    return merged
+
+
 def chunks(items: Sequence[_T], size: int) -> Iterable[Sequence[_T]]:
     """``items`` in consecutive slices of at most ``size``."""
     for start in range(0, len(items), size):
@@ -386,7 +435,9 @@ class Store:
                 claims[partition] = Claim(epoch, None if next_offset < 0 else next_offset)
             # The rows are ours and locked now: whatever the previous owners wrote, the
             # counters of these partitions are exact from here on (see tracker.store.counts).
-            await recount(conn, tracked_counts, tracked, claims)
+            await recount(
+                conn, tracked_counts, tracked, claims, ranges=ranges_table, engine=self.engine
+            )
         return claims
 
     async def release_partitions(self, markers_topic: str, epochs: dict[int, int]) -> None:
@@ -454,13 +505,15 @@ class Store:
     ) -> ApplyResult:
         """Apply markers (in order) and record how far each partition is applied, atomically.
 
-        Markers of one message fold in memory first, so a START followed by its ACK writes
-        nothing (unless an older entry for the message exists, which the ACK then removes).
-        Raises :class:`Fenced` (and applies nothing) if any partition is no longer ours.
+        Markers fold in memory first, per lane (group, origin topic and partition: the unit
+        whose markers are ordered), over the entries and tracked ranges they can reach
+        (``tracker/engine/ranges.py``): a START followed by its ACK, or a RANGE_START and the
+        RANGE_SETTLE of its whole batch, write nothing. Raises :class:`Fenced` (and applies
+        nothing) if any partition is no longer ours.
         """
-        by_key: dict[EntryKey, list[PendingMarker]] = defaultdict(list)
+        lanes: dict[LaneKey, list[PendingMarker]] = defaultdict(list)
         for pending in markers:
-            by_key[entry_key(pending.marker)].append(pending)
+            lanes[lane_of(pending.marker)].append(pending)
         result = ApplyResult()
         async with self.transaction() as conn:
             fenced = await self._fence(
@@ -472,46 +525,162 @@ class Store:
             )
             if fenced:
                 raise Fenced(fenced)
-            keys = list(by_key)
-            existing = await self._load(conn, keys)
+            if not lanes:
+                return result
+            states, loaded_entries, loaded_ranges = await self._load_lanes(conn, lanes)
             upserts: list[tuple[Any, ...]] = []
             deletes: list[EntryKey] = []
+            range_upserts: list[tuple[Any, ...]] = []
+            range_deletes: list[RangeKey] = []
             counts = CountChanges()
-            for key in keys:
-                before = existing.get(key)
-                entry = before
-                for pending in by_key[key]:
-                    entry, anomaly = apply_marker(
-                        entry,
-                        pending.marker,
-                        pending.ref_ms,
-                        pending.markers_partition,
-                        policy_for,
+            earliest: int | None = None
+            for lane, pendings in lanes.items():
+                state = states[lane]
+                for index, why in fold_lane(
+                    state,
+                    [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
+                    policy_for,
+                ):
+                    result.anomalies.append((pendings[index], why))
+                group, topic, partition = lane
+                for offset, entry in state.entries.items():
+                    key = (group, topic, partition, offset)
+                    before = loaded_entries.get(key)
+                    if entry is None:
+                        if before is not None:
+                            deletes.append(key)
+                            counts.change(before, None)
+                    elif entry != before:
+                        upserts.append(_row_from_entry(entry))
+                        counts.change(before, entry)
+                        if entry.due_at_ms is not None and (
+                            earliest is None or entry.due_at_ms < earliest
+                        ):
+                            earliest = entry.due_at_ms
+                after = {r.key: r for r in state.ranges}
+                for key, old in loaded_ranges.get(lane, {}).items():
+                    counts.add(
+                        (old.markers_partition, topic, State.IN_FLIGHT.value), -old.open_count
                     )
-                    if anomaly is not None:
-                        result.anomalies.append((pending, anomaly))
-                if entry is None:
-                    if before is not None:
-                        deletes.append(key)
-                        counts.change(before, None)
-                elif entry != before:
-                    upserts.append(_row_from_entry(entry))
-                    counts.change(before, entry)
-                    if entry.due_at_ms is not None and (
-                        result.earliest_due_ms is None or entry.due_at_ms < result.earliest_due_ms
-                    ):
-                        result.earliest_due_ms = entry.due_at_ms
-            # Rows are written in key order, as finish_redelivery does: two transactions that
-            # lock the same rows in the same order cannot deadlock (PostgreSQL).
-            if upserts:
-                upserts.sort(key=_ROW_KEY)
-                await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, upserts)
-            # Many keys per statement (one round trip per chunk), not one statement per key.
-            for chunk in chunks(sorted(deletes), self._key_chunk):
-                await conn.execute(delete(tracked).where(keys_in(self.engine, KEY_COLUMNS, chunk)))
+                    if key not in after:
+                        range_deletes.append(key)
+                for key, new in after.items():
+                    counts.add(
+                        (new.markers_partition, topic, State.IN_FLIGHT.value), new.open_count
+                    )
+                    if loaded_ranges.get(lane, {}).get(key) != new:
+                        range_upserts.append(new.row())
+                        if earliest is None or new.due_at_ms < earliest:
+                            earliest = new.due_at_ms
+            result.earliest_due_ms = earliest
+            await self._write_folded(conn, upserts, deletes, range_upserts, range_deletes)
             await counts.write(conn, self.engine, tracked_counts)
-            result.upserted, result.deleted = len(upserts), len(deletes)
+            result.upserted = len(upserts) + len(range_upserts)
+            result.deleted = len(deletes) + len(range_deletes)
         return result
+
+    async def _write_folded(
+        self,
+        conn: AsyncConnection,
+        upserts: list[tuple[Any, ...]],
+        deletes: list[EntryKey],
+        range_upserts: list[tuple[Any, ...]],
+        range_deletes: list[RangeKey],
+    ) -> None:
+        """Write what a fold changed: entries, then ranges."""
+        # Rows are written in key order, as finish_redelivery does: two transactions that
+        # lock the same rows in the same order cannot deadlock (PostgreSQL).
+        if upserts:
+            upserts.sort(key=_ROW_KEY)
+            await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, upserts)
+        # Many keys per statement (one round trip per chunk), not one statement per key.
+        for chunk in chunks(sorted(deletes), self._key_chunk):
+            await conn.execute(delete(tracked).where(keys_in(self.engine, KEY_COLUMNS, chunk)))
+        for range_chunk in chunks(sorted(range_deletes), self._key_chunk):
+            await conn.execute(
+                delete(ranges_table).where(keys_in(self.engine, RANGE_KEY_COLUMNS, range_chunk))
+            )
+        if range_upserts:
+            range_upserts.sort(key=_ROW_KEY)
+            await upsert_rows(
+                conn, ranges_table, RANGE_COLUMN_NAMES, _RANGE_UPDATE_COLUMNS, range_upserts
+            )
+
+    async def _load_lanes(
+        self, conn: AsyncConnection, lanes: dict[LaneKey, list[PendingMarker]]
+    ) -> tuple[
+        dict[LaneKey, LaneState],
+        dict[EntryKey, Entry],
+        dict[LaneKey, dict[RangeKey, TrackedRange]],
+    ]:
+        """Everything the lanes' markers can reach: entries (by key and in the ranges'
+        spans) and the tracked ranges overlapping what they touch."""
+        keys: list[EntryKey] = []
+        spans: list[tuple[LaneKey, int, int]] = []
+        extent: dict[LaneKey, tuple[int, int]] = {}
+        for lane, pendings in lanes.items():
+            low = high = -1
+            for pending in pendings:
+                first, last = touched(pending.marker)
+                if isinstance(pending.marker, RangeMarker):
+                    spans.append((lane, first, last))
+                else:
+                    keys.append((*lane, first))
+                if low < 0 or first < low:
+                    low = first
+                high = max(high, last)
+            extent[lane] = (low, high)
+        loaded = await self._load(conn, list(dict.fromkeys(keys))) if keys else {}
+        for span_chunk in chunks(_merge_spans(spans), _LANE_CHUNK):
+            columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
+            rows = await conn.execute(
+                select(*columns).where(
+                    or_(
+                        *(
+                            and_(
+                                tracked.c.group_id == g,
+                                tracked.c.origin_topic == t,
+                                tracked.c.origin_partition == p,
+                                tracked.c.origin_offset.between(a, b),
+                            )
+                            for (g, t, p), a, b in span_chunk
+                        )
+                    )
+                )
+            )
+            for row in rows:
+                entry = entry_from_values(row)
+                loaded[entry.key] = entry
+        found_ranges: dict[LaneKey, dict[RangeKey, TrackedRange]] = defaultdict(dict)
+        columns = [ranges_table.c[name] for name in RANGE_COLUMN_NAMES]
+        r = ranges_table.c
+        for lane_chunk in chunks(list(extent.items()), _LANE_CHUNK):
+            rows = await conn.execute(
+                select(*columns).where(
+                    or_(
+                        *(
+                            and_(
+                                r.group_id == g,
+                                r.origin_topic == t,
+                                r.origin_partition == p,
+                                r.last_offset >= low,
+                                r.first_offset <= high,
+                            )
+                            for (g, t, p), (low, high) in lane_chunk
+                        )
+                    )
+                )
+            )
+            for row in rows:
+                tracked_range = TrackedRange.from_row(row)
+                found_ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
+        states: dict[LaneKey, LaneState] = {lane: LaneState({}, []) for lane in lanes}
+        for key, entry in loaded.items():
+            states[key[:3]].entries[key[3]] = entry
+        for lane, by_key in found_ranges.items():
+            # The fold changes ranges in place: it gets copies, the originals are "before".
+            states[lane].ranges = [replace(t) for t in by_key.values()]
+        return states, loaded, found_ranges
 
     # -- redelivery --------------------------------------------------------------------
 
@@ -528,6 +697,13 @@ class Store:
             select(tracked.c.due_at_ms)
             .where(tracked.c.markers_partition == p, tracked.c.due_at_ms.is_not(None))
             .order_by(tracked.c.due_at_ms)
+            .limit(1)
+            .scalar_subquery()
+            for p in owned
+        ] + [
+            select(ranges_table.c.due_at_ms)
+            .where(ranges_table.c.markers_partition == p)
+            .order_by(ranges_table.c.due_at_ms)
             .limit(1)
             .scalar_subquery()
             for p in owned
@@ -561,6 +737,7 @@ class Store:
             searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
             if not searched:
                 return [], fenced
+            await self._expand_due_ranges(conn, searched, limit)
             entries: list[Entry] = []
             # SQLite allows 500 terms in a compound SELECT: a few queries for a replica
             # owning hundreds of markers partitions, merged here.
@@ -581,6 +758,40 @@ class Store:
                     .where(keys_in(self.engine, KEY_COLUMNS, chunk))
                 )
         return entries, fenced
+
+    async def _expand_due_ranges(
+        self, conn: AsyncConnection, due_by: dict[int, int], limit: int
+    ) -> None:
+        """Turn up to ``limit`` due ranges into per-message entries, due when they were.
+
+        An expired range redelivers exactly its open offsets, and redelivery is per message
+        (every copy is a record of its own, with its own attempt), so this is where a range
+        ends: its offsets become ordinary in-flight entries of attempt 1, which the due query
+        that follows claims like any other. The counters do not move (in flight either way).
+        """
+        r = ranges_table.c
+        columns = [r[name] for name in RANGE_COLUMN_NAMES]
+        due: list[TrackedRange] = []
+        for group in chunks(sorted(due_by.items()), _DUE_QUERY_PARTITIONS):
+            rows = await conn.execute(
+                select(*columns)
+                .where(or_(*(and_(r.markers_partition == p, r.due_at_ms <= t) for p, t in group)))
+                .order_by(r.due_at_ms)
+                .limit(limit)
+            )
+            due += [TrackedRange.from_row(row) for row in rows]
+        if not due:
+            return
+        rows_out = sorted(
+            (_row_from_entry(t.entry_at(offset)) for t in due for offset in t.offsets()),
+            key=_ROW_KEY,
+        )
+        for row_chunk in chunks(rows_out, 5_000):
+            await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, row_chunk)
+        for key_chunk in chunks(sorted(t.key for t in due), self._key_chunk):
+            await conn.execute(
+                delete(ranges_table).where(keys_in(self.engine, RANGE_KEY_COLUMNS, key_chunk))
+            )
 
     async def finish_redelivery(
         self,
@@ -796,25 +1007,93 @@ class Store:
     # -- inspection (tests, API) -------------------------------------------------------
 
     async def get_entry(self, key: EntryKey) -> Entry | None:
+        """The entry of ``key``: its own row, or what the tracked range holding it stands for."""
         async with self.transaction() as conn:
             found = await self._load(conn, [key])
-        return found.get(key)
+            if key in found:
+                return found[key]
+            holder = await self.range_holding(conn, key)
+        return None if holder is None else holder.entry_at(key[3])
+
+    async def range_holding(self, conn: AsyncConnection, key: EntryKey) -> TrackedRange | None:
+        """The tracked range whose open offsets include ``key``'s (at most one)."""
+        r = ranges_table.c
+        rows = await conn.execute(
+            select(*(r[name] for name in RANGE_COLUMN_NAMES)).where(
+                r.group_id == key[0],
+                r.origin_topic == key[1],
+                r.origin_partition == key[2],
+                r.first_offset <= key[3],
+                r.last_offset >= key[3],
+            )
+        )
+        for row in rows:
+            candidate = TrackedRange.from_row(row)
+            if candidate.holds(key[3]):
+                return candidate
+        return None
+
+    async def split_from_range(self, conn: AsyncConnection, key: EntryKey) -> Entry | None:
+        """Move ``key`` out of the tracked range holding it into an entry row of its own.
+
+        For a change to one message of a range (an operator action): the offset diverges,
+        so it gets the per-message row that v1 would have had all along; the range keeps the
+        rest. Call with the entry's markers partition locked. ``None``: no range holds it.
+        The counters do not move (in flight either way).
+        """
+        holder = await self.range_holding(conn, key)
+        if holder is None:
+            return None
+        entry = holder.entry_at(key[3])
+        await conn.execute(delete(ranges_table).where(tuple_(*RANGE_KEY_COLUMNS) == holder.key))
+        holder.open_bits &= ~(1 << (key[3] - holder.base_offset))
+        if holder.open_bits:
+            holder.normalize()
+            await upsert_rows(
+                conn, ranges_table, RANGE_COLUMN_NAMES, _RANGE_UPDATE_COLUMNS, [holder.row()]
+            )
+        await upsert_rows(
+            conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, [_row_from_entry(entry)]
+        )
+        return entry
 
     async def count_entries(self, state: State | None = None) -> int:
+        """Entries, counting every open offset of a tracked range as one in flight."""
         query = select(func.count()).select_from(tracked)
         if state is not None:
             query = query.where(tracked.c.state == state.value)
+        in_ranges = select(func.coalesce(func.sum(ranges_table.c.open_count), 0))
         async with self.transaction() as conn:
-            return int(await conn.scalar(query) or 0)
+            total = int(await conn.scalar(query) or 0)
+            if state in (None, State.IN_FLIGHT):
+                total += int(await conn.scalar(in_ranges) or 0)
+            return total
 
     async def list_entries(self, limit: int = 1000, *, group: str | None = None) -> list[Entry]:
+        """Entries in key order, with the open offsets of tracked ranges as entries."""
         columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
         query = select(*columns).order_by(*KEY_COLUMNS).limit(limit)
+        range_query = select(*(ranges_table.c[name] for name in RANGE_COLUMN_NAMES))
         if group is not None:
             query = query.where(tracked.c.group_id == group)
+            range_query = range_query.where(ranges_table.c.group_id == group)
         async with self.transaction() as conn:
-            rows = await conn.execute(query)
-            return [entry_from_values(row) for row in rows]
+            entries = [entry_from_values(row) for row in await conn.execute(query)]
+            for row in await conn.execute(range_query):
+                tracked_range = TrackedRange.from_row(row)
+                entries += [tracked_range.entry_at(o) for o in tracked_range.offsets()]
+        entries.sort(key=lambda e: e.key)
+        return entries[:limit]
+
+    async def list_ranges(self) -> list[TrackedRange]:
+        """Every tracked range (tests, inspection)."""
+        async with self.transaction(read_only=True) as conn:
+            rows = await conn.execute(
+                select(*(ranges_table.c[name] for name in RANGE_COLUMN_NAMES)).order_by(
+                    *RANGE_KEY_COLUMNS
+                )
+            )
+            return [TrackedRange.from_row(row) for row in rows]
 
     async def list_dead_letters(
         self, limit: int = 1000, *, topic: str | None = None

@@ -72,6 +72,43 @@ class TrackedMessage(Base):
     )
 
 
+class TrackedRangeRow(Base):
+    """First deliveries in flight together, one row per range (migration 0004).
+
+    Written for v2 RANGE_START markers (see ``tracker/engine/ranges.py``): bit ``i`` of
+    ``open_bits`` (little-endian bytes) stands for the in-flight entry of offset
+    ``first_offset + i``, with this row's deadline, consumer and times. ``first_offset`` is
+    always the lowest open offset and ``last_offset`` the highest; the ranges of a lane
+    never share an open offset, and an offset with a row in ``tracked_messages`` is in no
+    range.
+    """
+
+    __tablename__ = "tracked_ranges"
+
+    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    origin_partition: Mapped[int] = mapped_column(Integer, primary_key=True)
+    first_offset: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    last_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    markers_partition: Mapped[int] = mapped_column(Integer, nullable=False)
+    open_bits: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    #: how many offsets are open (the bits set): the counters and statistics add it up
+    open_count: Mapped[int] = mapped_column(Integer, nullable=False)
+    due_at_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    first_seen_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    consumer: Mapped[str] = mapped_column(String(255), nullable=False, server_default=text("''"))
+
+    __table_args__ = (
+        # The redelivery loop: "which ranges are due in my partitions".
+        Index("ix_ranges_partition_due", "markers_partition", "due_at_ms"),
+        # Ingest: the ranges of a lane that reach a span of offsets.
+        Index("ix_ranges_lane_last", "group_id", "origin_topic", "origin_partition", "last_offset"),
+        # Topic statistics: the oldest in-flight range of a topic.
+        Index("ix_ranges_topic_seen", "origin_topic", "first_seen_ms"),
+    )
+
+
 # -- counters (migration 0003) ---------------------------------------------------------------
 
 

@@ -1,0 +1,323 @@
+"""The range store on SQLite and PostgreSQL against the per-message reference model.
+
+For any interleaving of v1 markers and v2 range markers (ranges with exceptions, overrides of
+single offsets, late markers of old attempts, duplicates), applied in flushes of any size (a
+flush boundary is also where a tracker crash and restart resumes: the store is all there is),
+the store holds exactly the entries v1 would have, and an expired range redelivers exactly its
+unsettled offsets, when they are due, at the attempt v1 would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import delete
+from support.counts import assert_counters_match
+from support.range_model import (
+    GROUP,
+    MARKERS_PARTITION,
+    PARTITION,
+    TOPIC,
+    markers_strategy,
+    policy,
+    reference,
+    steps_with_times,
+)
+
+from tracker.engine.entries import Entry, State, plan_due
+from tracker.ids import MessageId
+from tracker.protocol import AnyMarker, Marker
+from tracker.protocol_v2 import RangeMarker
+from tracker.store.admin import (
+    ActionKind,
+    ActionRequest,
+    AdminStore,
+    EntryFilter,
+    EntryOrder,
+    Outcome,
+)
+from tracker.store.manager import (
+    PartitionProgress,
+    PendingMarker,
+    Store,
+    partitions_table,
+    ranges_table,
+    tracked,
+    tracked_counts,
+)
+from tracker.store.migrate import upgrade
+
+pytestmark = [pytest.mark.integration]
+
+MARKERS = "kmq-markers"
+TOKEN = "round-1"  # noqa: S105 - the claim token of the redelivery round
+
+
+async def _fresh(url: str) -> Store:
+    store = Store.from_url(url)
+    await upgrade(store.engine)
+    async with store.engine.begin() as conn:
+        for table in (tracked, ranges_table, tracked_counts, partitions_table):
+            await conn.execute(delete(table))
+    return store
+
+
+async def _scenario(
+    url: str, steps: Sequence[tuple[AnyMarker, int]], cuts: list[bool], due_at: int
+) -> None:
+    store = await _fresh(url)
+    try:
+        epoch = (await store.claim_partitions(MARKERS, [MARKERS_PARTITION], "a", 0))[
+            MARKERS_PARTITION
+        ].epoch
+        batch: list[PendingMarker] = []
+        for i, (marker, ref) in enumerate(steps):
+            batch.append(PendingMarker(marker, ref, MARKERS_PARTITION, i))
+            if cuts[i % len(cuts)] or i == len(steps) - 1:
+                progress = {MARKERS_PARTITION: PartitionProgress(epoch, i + 1)}
+                await store.apply(MARKERS, progress, batch, policy, ref)
+                batch = []
+                expected = reference(steps[: i + 1])
+                stored = {e.origin_offset: e for e in await store.list_entries(10_000)}
+                assert stored == expected, f"after marker {i}: {marker}"
+        await assert_counters_match(store.engine)
+
+        # Redelivery: what is due by ``due_at`` is claimed, exactly as v1 entries would be.
+        expected = reference(steps)
+        due = {
+            o: e for o, e in expected.items() if e.due_at_ms is not None and e.due_at_ms <= due_at
+        }
+        claimed, fenced = await store.claim_due(
+            MARKERS,
+            epochs={MARKERS_PARTITION: epoch},
+            due_by={MARKERS_PARTITION: due_at},
+            now_ms=due_at,
+            limit=10_000,
+            lease_ms=60_000,
+            token=TOKEN,
+        )
+        assert fenced == set()
+        got: dict[int, Entry] = {e.origin_offset: e for e in claimed}
+        assert got == {o: _claimed(e) for o, e in due.items()}, (
+            "claimed entries differ from the per-message model"
+        )
+        assert {o: plan_due(e, 3) for o, e in got.items()} == {
+            o: plan_due(e, 3) for o, e in due.items()
+        }
+        next_due = await store.next_due_ms([MARKERS_PARTITION])
+        later = [e.due_at_ms for o, e in expected.items() if o not in due and e.due_at_ms]
+        claimed_until = [due_at + 60_000] if due else []
+        assert next_due == (min(later + claimed_until) if later or claimed_until else None)
+        await assert_counters_match(store.engine)
+    finally:
+        await store.close()
+
+
+def _claimed(entry: Entry) -> Entry:
+    """How a claim returns an entry: as it was, with the claim token."""
+    return replace(entry, claim_token=TOKEN)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    drawn=markers_strategy,
+    cuts=st.lists(st.booleans(), min_size=1, max_size=8),
+    due_gap=st.integers(0, 70_000),
+)
+def test_the_range_store_decides_as_the_per_message_model(
+    database_url: str, drawn: list[tuple[AnyMarker, int]], cuts: list[bool], due_gap: int
+) -> None:
+    steps = steps_with_times(drawn)
+    if not steps:
+        return
+    asyncio.run(_scenario(database_url, steps, cuts, steps[-1][1] + due_gap))
+
+
+def test_a_batch_acked_within_one_flush_writes_no_row(database_url: str) -> None:
+    async def scenario() -> None:
+        store = await _fresh(database_url)
+        try:
+            epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
+            start = RangeMarker.start(GROUP, TOPIC, PARTITION, 1000, 1499, consumer="c1")
+            delay = Marker.delay(GROUP, MessageId(TOPIC, PARTITION, 1200), delay_ms=5_000)
+            settle = RangeMarker.settle(GROUP, TOPIC, PARTITION, 1000, 1499, exceptions=1 << 200)
+            result = await store.apply(
+                MARKERS,
+                {0: PartitionProgress(epoch, 3)},
+                [
+                    PendingMarker(start, 10, 0, 0),
+                    PendingMarker(delay, 11, 0, 1),
+                    PendingMarker(settle, 12, 0, 2),
+                ],
+                policy,
+                12,
+            )
+            assert (result.upserted, result.deleted, result.anomalies) == (1, 0, [])
+            assert await store.list_ranges() == []
+            [entry] = await store.list_entries()
+            assert (entry.origin_offset, entry.due_at_ms) == (1200, 5_011)
+            await assert_counters_match(store.engine)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_open_range_is_one_row_until_it_expires(database_url: str) -> None:
+    async def scenario() -> None:
+        store = await _fresh(database_url)
+        try:
+            epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
+            start = RangeMarker.start(GROUP, TOPIC, PARTITION, 0, 9_999, timeout_ms=1_000)
+            await store.apply(
+                MARKERS,
+                {0: PartitionProgress(epoch, 1)},
+                [PendingMarker(start, 0, 0, 0)],
+                policy,
+                0,
+            )
+            settle = RangeMarker.settle(GROUP, TOPIC, PARTITION, 0, 9_999, exceptions=0b101)
+            await store.apply(
+                MARKERS,
+                {0: PartitionProgress(epoch, 2)},
+                [PendingMarker(settle, 5, 0, 1)],
+                policy,
+                5,
+            )
+            [tracked_range] = await store.list_ranges()
+            assert (tracked_range.base_offset, tracked_range.open_count) == (0, 2)
+            assert await store.count_entries() == 2
+            assert await store.next_due_ms([0]) == 1_000
+            claimed, _ = await store.claim_due(
+                MARKERS,
+                epochs={0: epoch},
+                due_by={0: 1_000},
+                now_ms=1_000,
+                limit=100,
+                lease_ms=10_000,
+                token=TOKEN,
+            )
+            assert sorted(e.origin_offset for e in claimed) == [0, 2]
+            assert await store.list_ranges() == []
+            await assert_counters_match(store.engine)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_admin_listings_show_the_offsets_of_ranges_page_by_page(database_url: str) -> None:
+    """The admin API lists every in-flight offset of a range, merged with entry rows, in key
+    order and in due order, with keyset pages that neither repeat nor skip an entry."""
+
+    async def scenario() -> None:
+        store = await _fresh(database_url)
+        admin = AdminStore(store, MARKERS)
+        try:
+            epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
+            steps: list[AnyMarker] = [
+                # two overlapping batches of partition 2 (a re-read), one of partition 3
+                RangeMarker.start(GROUP, TOPIC, 2, 0, 39, timeout_ms=9_000, consumer="c1"),
+                RangeMarker.settle(GROUP, TOPIC, 2, 0, 39, exceptions=0b1010_0000_0001 << 10),
+                RangeMarker.start(GROUP, TOPIC, 2, 15, 59, timeout_ms=5_000, consumer="c2"),
+                RangeMarker.start(GROUP, TOPIC, 3, 100, 120, timeout_ms=7_000, consumer="c3"),
+                Marker.delay(GROUP, MessageId(TOPIC, 2, 50), delay_ms=1_000),
+                Marker.start(GROUP, MessageId(TOPIC, 3, 7)),
+            ]
+            pendings = [PendingMarker(m, 100 + i, 0, i) for i, m in enumerate(steps)]
+            await store.apply(MARKERS, {0: PartitionProgress(epoch, 6)}, pendings, policy, 200)
+            everything = await store.list_entries(10_000)
+            assert len(everything) > 60
+            for order, sort in (
+                (EntryOrder.KEY, lambda e: e.key),
+                (EntryOrder.DUE, lambda e: (e.due_at_ms, *e.key)),
+            ):
+                expected = sorted(everything, key=sort)
+                for page_size in (1, 7, 1000):
+                    seen: list[Entry] = []
+                    after = None
+                    while True:
+                        page = await admin.list_entries(
+                            EntryFilter(), order=order, after=after, limit=page_size
+                        )
+                        seen += [view.entry for view in page]
+                        if len(page) < page_size:
+                            break
+                        after = sort(page[-1].entry)
+                    assert seen == expected, f"{order} pages of {page_size}"
+            only_c3 = await admin.list_entries(EntryFilter(partition=3, states=(State.IN_FLIGHT,)))
+            assert [v.entry.origin_offset for v in only_c3] == [7, *range(100, 121)]
+            counts = (await admin.topic_counts(since_ms=0))[TOPIC]
+            assert counts.in_flight == len([e for e in everything if e.state is State.IN_FLIGHT])
+            assert counts.oldest_in_flight_first_seen_ms == 100
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_operator_action_on_one_offset_splits_it_from_its_range(database_url: str) -> None:
+    async def scenario() -> None:
+        store = await _fresh(database_url)
+        admin = AdminStore(store, MARKERS)
+        try:
+            epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
+            start = RangeMarker.start(GROUP, TOPIC, 2, 0, 9, timeout_ms=5_000, consumer="c1")
+            await store.apply(
+                MARKERS,
+                {0: PartitionProgress(epoch, 1)},
+                [PendingMarker(start, 10, 0, 0)],
+                policy,
+                10,
+            )
+            view = await admin.get_entry((GROUP, TOPIC, 2, 4))
+            assert view is not None
+            assert (view.entry.state, view.entry.due_at_ms, view.entry.consumer) == (
+                State.IN_FLIGHT,
+                5_010,
+                "c1",
+            )
+            record = await admin.apply_action(
+                ActionRequest(
+                    key=(GROUP, TOPIC, 2, 4),
+                    action=ActionKind.EXTEND,
+                    actor="ops",
+                    extend_ms=60_000,
+                ),
+                1_000,
+            )
+            assert record.outcome is Outcome.APPLIED
+            extended = await store.get_entry((GROUP, TOPIC, 2, 4))
+            assert extended is not None
+            assert extended.due_at_ms == 61_000
+            [tracked_range] = await store.list_ranges()
+            assert sorted(tracked_range.offsets()) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+            ack = ActionRequest(key=(GROUP, TOPIC, 2, 0), action=ActionKind.ACK, actor="ops")
+            assert (await admin.apply_action(ack, 1_000)).outcome is Outcome.APPLIED
+            assert await store.get_entry((GROUP, TOPIC, 2, 0)) is None
+            assert await store.count_entries() == 9
+            await assert_counters_match(store.engine)
+            # The batch's late SETTLE still acks the rest; the extended one is settled too.
+            settle = RangeMarker.settle(GROUP, TOPIC, 2, 0, 9)
+            await store.apply(
+                MARKERS,
+                {0: PartitionProgress(epoch, 2)},
+                [PendingMarker(settle, 20, 0, 1)],
+                policy,
+                20,
+            )
+            assert await store.count_entries() == 0
+            await assert_counters_match(store.engine)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,409 @@
+"""Tracked ranges: in-flight state per fetched batch, split per offset only on divergence.
+
+A v2 RANGE_START (:mod:`tracker.protocol_v2`) puts a whole batch of first deliveries in flight
+at once. Keeping one entry per message for it would put back the per-message cost that range
+markers remove, so the store keeps it as a :class:`TrackedRange`: one row holding the deadline,
+the consumer and a bitmask of the offsets still in flight. A RANGE_SETTLE clears bits; a range
+with no bit left is gone. This is what Kafka's ``SharePartition`` does with its in-flight
+batches (KIP-932).
+
+Semantics never depend on the representation: a range stands for exactly the per-message
+entries that v1 markers would have produced (each covered offset in flight, attempt 1, its own
+origin and copy, the range's deadline, consumer and times), and :func:`fold_lane` applies v1
+and v2 markers so that :func:`expand` of its result always equals what
+:func:`tracker.engine.entries.apply_marker` gives marker by marker (the property test in
+``tests/unit/test_range_model.py`` checks exactly that). Where one offset of a range diverges (a
+v1 DELAY, REJECT, EXTEND or START for it, an ACK of a copy's origin, an operator action), it
+leaves the range and becomes an ordinary per-message entry; a partial RANGE_EXTEND or a START
+over offsets of an older range splits the range into ranges with disjoint bits instead.
+
+Ranges of one *lane* (group, topic, partition) may overlap in span but never share an open
+offset, and every range is kept *normalized*: bit 0 is set (its first offset is its lowest open
+offset), so the first offset identifies a range within its lane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from tracker.engine.entries import Entry, PolicyLookup, State, apply_marker
+from tracker.ids import MessageId
+from tracker.protocol import AnyMarker, Marker
+from tracker.protocol_v2 import RangeKind, RangeMarker, iter_bits
+
+#: group, origin topic, origin partition: the markers of one lane are ordered (one markers
+#: partition) and only touch that lane's entries and ranges.
+LaneKey = tuple[str, str, int]
+#: group, origin topic, origin partition, first (open) offset
+RangeKey = tuple[str, str, int, int]
+
+
+@dataclass(slots=True)
+class TrackedRange:
+    """First deliveries of one lane in flight together, as a bitmask (bit i: offset base+i)."""
+
+    group_id: str
+    origin_topic: str
+    origin_partition: int
+    markers_partition: int
+    base_offset: int
+    open_bits: int
+    due_at_ms: int
+    first_seen_ms: int
+    updated_ms: int
+    consumer: str
+
+    @property
+    def key(self) -> RangeKey:
+        return (self.group_id, self.origin_topic, self.origin_partition, self.base_offset)
+
+    @property
+    def last_offset(self) -> int:
+        return self.base_offset + self.open_bits.bit_length() - 1
+
+    @property
+    def open_count(self) -> int:
+        return self.open_bits.bit_count()
+
+    def holds(self, offset: int) -> bool:
+        shift = offset - self.base_offset
+        return shift >= 0 and (self.open_bits >> shift) & 1 == 1
+
+    def offsets(self) -> Iterator[int]:
+        return iter_bits(self.open_bits, self.base_offset)
+
+    def aligned(self, bits: int, base: int) -> int:
+        """``bits`` (bit i: offset ``base + i``) in this range's frame, cut to its open bits."""
+        shift = base - self.base_offset
+        moved = bits << shift if shift >= 0 else bits >> -shift
+        return moved & self.open_bits
+
+    def to_frame(self, bits: int, base: int) -> int:
+        """``bits`` of this range's frame moved to a frame starting at ``base``."""
+        shift = self.base_offset - base
+        return bits << shift if shift >= 0 else bits >> -shift
+
+    def normalize(self) -> None:
+        """Make bit 0 the lowest open offset (the key); no-op on an empty range."""
+        bits = self.open_bits
+        if bits and not bits & 1:
+            low = (bits & -bits).bit_length() - 1
+            self.open_bits = bits >> low
+            self.base_offset += low
+
+    def entry_at(self, offset: int) -> Entry:
+        """The per-message entry this range stands for at ``offset``."""
+        return Entry(
+            self.group_id,
+            self.origin_topic,
+            self.origin_partition,
+            offset,
+            self.markers_partition,
+            State.IN_FLIGHT,
+            1,
+            self.origin_topic,
+            self.origin_partition,
+            offset,
+            self.due_at_ms,
+            self.first_seen_ms,
+            self.updated_ms,
+            consumer=self.consumer,
+        )
+
+    def piece(self, bits: int, **changes: int | str) -> TrackedRange:
+        """A range with this one's attributes (``changes`` applied) holding ``bits`` of it."""
+        new = TrackedRange(
+            self.group_id,
+            self.origin_topic,
+            self.origin_partition,
+            self.markers_partition,
+            self.base_offset,
+            bits,
+            self.due_at_ms,
+            self.first_seen_ms,
+            self.updated_ms,
+            self.consumer,
+        )
+        for name, value in changes.items():
+            setattr(new, name, value)
+        new.normalize()
+        return new
+
+    def row(self) -> tuple[object, ...]:
+        """The values of :data:`RANGE_COLUMN_NAMES`, in that order."""
+        size = (self.open_bits.bit_length() + 7) // 8
+        return (
+            self.group_id,
+            self.origin_topic,
+            self.origin_partition,
+            self.base_offset,
+            self.last_offset,
+            self.markers_partition,
+            self.open_bits.to_bytes(size, "little"),
+            self.open_count,
+            self.due_at_ms,
+            self.first_seen_ms,
+            self.updated_ms,
+            self.consumer,
+        )
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> TrackedRange:
+        """A range from a row of :data:`RANGE_COLUMN_NAMES` (as :meth:`row` writes them)."""
+        (group, topic, partition, first, _last, markers_partition, bits, _count, due, seen,
+         updated, consumer) = row  # fmt: skip
+        return cls(
+            str(group),
+            str(topic),
+            int(partition),
+            int(markers_partition),
+            int(first),
+            int.from_bytes(bytes(bits), "little"),
+            int(due),
+            int(seen),
+            int(updated),
+            str(consumer),
+        )
+
+
+RANGE_COLUMN_NAMES = (
+    "group_id",
+    "origin_topic",
+    "origin_partition",
+    "first_offset",
+    "last_offset",
+    "markers_partition",
+    "open_bits",
+    "open_count",
+    "due_at_ms",
+    "first_seen_ms",
+    "updated_ms",
+    "consumer",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneMarker:
+    """A marker of one lane with what the fold needs: its reference time and markers partition."""
+
+    marker: AnyMarker
+    ref_ms: int
+    markers_partition: int
+
+
+@dataclass(slots=True)
+class LaneState:
+    """What the store knows of one lane, as far as a flush's markers can touch it.
+
+    ``entries``: per-message entries by origin offset; ``None`` marks one deleted by the fold
+    (a row to delete if it was loaded). ``ranges``: the lane's ranges, normalized, disjoint.
+    """
+
+    entries: dict[int, Entry | None]
+    ranges: list[TrackedRange]
+
+
+def lane_of(marker: AnyMarker) -> LaneKey:
+    return (marker.group, marker.origin_topic, marker.origin_partition)
+
+
+def touched(marker: AnyMarker) -> tuple[int, int]:
+    """The span of origin offsets ``marker`` can change: ``(first, last)``."""
+    if isinstance(marker, RangeMarker):
+        return marker.first_offset, marker.last_offset
+    return marker.origin_offset, marker.origin_offset
+
+
+def fold_lane(
+    state: LaneState, markers: Sequence[LaneMarker], policy_for: PolicyLookup
+) -> list[tuple[int, str]]:
+    """Apply ``markers`` (in order) to ``state`` in place; return ``(index, anomaly)`` pairs.
+
+    ``state`` must hold every entry and range that the markers' spans (:func:`touched`) reach.
+    """
+    anomalies: list[tuple[int, str]] = []
+    for index, item in enumerate(markers):
+        marker = item.marker
+        if type(marker) is RangeMarker:
+            why = _fold_range(state, marker, item, policy_for)
+        else:
+            why = _fold_single(state, cast(Marker, marker), item, policy_for)
+        if why is not None:
+            anomalies.append((index, why))
+    return anomalies
+
+
+def _holder(state: LaneState, offset: int) -> TrackedRange | None:
+    for tracked in state.ranges:
+        if tracked.holds(offset):
+            return tracked
+    return None
+
+
+def _take_from_range(state: LaneState, tracked: TrackedRange, offset: int) -> Entry:
+    """Split ``offset`` out of ``tracked`` into a per-message entry (divergence)."""
+    entry = tracked.entry_at(offset)
+    tracked.open_bits &= ~(1 << (offset - tracked.base_offset))
+    if tracked.open_bits:
+        tracked.normalize()
+    else:
+        state.ranges.remove(tracked)
+    return entry
+
+
+def _fold_single(
+    state: LaneState, marker: Marker, item: LaneMarker, policy_for: PolicyLookup
+) -> str | None:
+    offset = marker.origin_offset
+    entry = state.entries.get(offset)
+    if entry is None:
+        tracked = _holder(state, offset)
+        if tracked is not None:
+            entry = _take_from_range(state, tracked, offset)
+    after, why = apply_marker(entry, marker, item.ref_ms, item.markers_partition, policy_for)
+    if after is not None or offset in state.entries or entry is not None:
+        state.entries[offset] = after
+    return why
+
+
+def _fold_range(
+    state: LaneState, marker: RangeMarker, item: LaneMarker, policy_for: PolicyLookup
+) -> str | None:
+    base = marker.first_offset
+    last = marker.last_offset
+    covered = marker.covered
+    kind = marker.kind
+    ref = item.ref_ms
+    # Offsets with a per-message entry diverged before: they follow the v1 rules one by one.
+    for offset, entry in list(state.entries.items()):
+        if entry is None or not base <= offset <= last or not (covered >> (offset - base)) & 1:
+            continue
+        covered &= ~(1 << (offset - base))
+        single = _as_single(marker, offset)
+        after, _why = apply_marker(entry, single, ref, item.markers_partition, policy_for)
+        state.entries[offset] = after
+    if kind is RangeKind.RANGE_START:
+        _start(state, marker, covered, item, policy_for)
+        return None
+    for tracked in list(state.ranges):
+        hit = tracked.aligned(covered, base)
+        if not hit:
+            continue
+        covered &= ~tracked.to_frame(hit, base)
+        if kind is RangeKind.RANGE_SETTLE:
+            tracked.open_bits &= ~hit
+        elif hit == tracked.open_bits:  # RANGE_EXTEND of every open offset: one new deadline
+            tracked.due_at_ms = ref + marker.timeout_ms
+            tracked.updated_ms = ref
+            continue
+        else:  # a partial extension splits the range
+            tracked.open_bits &= ~hit
+            state.ranges.append(
+                tracked.piece(hit, due_at_ms=ref + marker.timeout_ms, updated_ms=ref)
+            )
+        if tracked.open_bits:
+            tracked.normalize()
+        else:
+            state.ranges.remove(tracked)
+    # What is left was covered by the marker but had no entry at all (v1 reports each).
+    missing = covered.bit_count()
+    if missing:
+        what = "ACK" if kind is RangeKind.RANGE_SETTLE else "EXTEND"
+        return (
+            f"{kind.name}: {missing} of {marker.covered.bit_count()} offsets had no START "
+            f"({what} late, duplicate, or for an expired lease)"
+        )
+    return None
+
+
+def _start(
+    state: LaneState,
+    marker: RangeMarker,
+    covered: int,
+    item: LaneMarker,
+    policy_for: PolicyLookup,
+) -> None:
+    """A RANGE_START over ``covered`` offsets that have no per-message entry."""
+    base = marker.first_offset
+    ref = item.ref_ms
+    due = ref + (marker.timeout_ms or policy_for(marker.topic).processing_timeout_ms)
+    for tracked in list(state.ranges):
+        hit = tracked.aligned(covered, base)
+        if not hit:
+            continue
+        # v1 START on an entry in flight keeps its first-seen time: those offsets move to a
+        # range of their own that keeps it.
+        covered &= ~tracked.to_frame(hit, base)
+        tracked.open_bits &= ~hit
+        moved = TrackedRange(
+            tracked.group_id,
+            tracked.origin_topic,
+            tracked.origin_partition,
+            item.markers_partition,
+            tracked.base_offset,
+            hit,
+            due,
+            tracked.first_seen_ms,
+            ref,
+            marker.consumer,
+        )
+        moved.normalize()
+        state.ranges.append(moved)
+        if tracked.open_bits:
+            tracked.normalize()
+        else:
+            state.ranges.remove(tracked)
+    if covered:
+        fresh = TrackedRange(
+            marker.group,
+            marker.topic,
+            marker.partition,
+            item.markers_partition,
+            base,
+            covered,
+            due,
+            ref,
+            ref,
+            marker.consumer,
+        )
+        fresh.normalize()
+        state.ranges.append(fresh)
+
+
+def _as_single(marker: RangeMarker, offset: int) -> Marker:
+    """The v1 marker a range marker stands for at ``offset``."""
+    message = MessageId(marker.topic, marker.partition, offset)
+    if marker.kind is RangeKind.RANGE_START:
+        return Marker.start(
+            marker.group, message, timeout_ms=marker.timeout_ms, consumer=marker.consumer
+        )
+    if marker.kind is RangeKind.RANGE_SETTLE:
+        return Marker.ack(marker.group, message)
+    return Marker.extend(marker.group, message, timeout_ms=marker.timeout_ms)
+
+
+def expand(state: LaneState) -> dict[int, Entry]:
+    """Every entry ``state`` stands for, per message (what v1 markers would have made)."""
+    out = {offset: entry for offset, entry in state.entries.items() if entry is not None}
+    for tracked in state.ranges:
+        for offset in tracked.offsets():
+            if offset in out:
+                raise AssertionError(f"offset {offset} is both an entry and in a range")
+            out[offset] = tracked.entry_at(offset)
+    return out
+
+
+__all__ = [
+    "RANGE_COLUMN_NAMES",
+    "LaneKey",
+    "LaneMarker",
+    "LaneState",
+    "RangeKey",
+    "TrackedRange",
+    "expand",
+    "fold_lane",
+    "lane_of",
+    "touched",
+]
