@@ -1,4 +1,4 @@
-"""Building and producing marker workloads (bench helpers; markers are real v1 markers)."""
+"""Building and producing marker workloads (bench helpers; real v1 markers and v2 ranges)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from aiokafka import AIOKafkaProducer
 
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
-from tracker.protocol import Marker, encode_marker
+from tracker.protocol import AnyMarker, Marker, encode_any, encode_marker
+from tracker.protocol_v2 import RangeMarker
 
 GROUP = "bench"
 CONSUMER = "bench-worker:1"
@@ -28,8 +29,24 @@ def ack(topic: str, partition: int, offset: int) -> Marker:
     return Marker.ack(GROUP, MessageId(topic, partition, offset))
 
 
+def range_start(topic: str, partition: int, first: int, last: int, timeout_ms: int) -> RangeMarker:
+    return RangeMarker.start(
+        GROUP, topic, partition, first, last, timeout_ms=timeout_ms, consumer=CONSUMER
+    )
+
+
+def range_settle(
+    topic: str, partition: int, first: int, last: int, exceptions: int = 0
+) -> RangeMarker:
+    return RangeMarker.settle(GROUP, topic, partition, first, last, exceptions=exceptions)
+
+
+def delay(topic: str, partition: int, offset: int, delay_ms: int) -> Marker:
+    return Marker.delay(GROUP, MessageId(topic, partition, offset), delay_ms=delay_ms)
+
+
 async def produce_markers(
-    producer: Any, markers_topic: str, markers: Iterable[Marker], partitions: int
+    producer: Any, markers_topic: str, markers: Iterable[AnyMarker], partitions: int
 ) -> int:
     """Produce markers with the batch API, each to its origin's markers partition, in order."""
     by_partition: dict[int, list[tuple[bytes, bytes]]] = defaultdict(list)
@@ -37,7 +54,7 @@ async def produce_markers(
     for marker in markers:
         p = markers_partition(marker.origin_topic, marker.origin_partition, partitions)
         key = marker_key(marker.origin_topic, marker.origin_partition)
-        by_partition[p].append((key, encode_marker(marker)))
+        by_partition[p].append((key, encode_any(marker)))
         count += 1
     await produce_raw(producer, markers_topic, by_partition)
     return count
