@@ -982,3 +982,32 @@ async def test_taking_partitions_over_recounts_their_counters(store: Store) -> N
     kept, recount = await counters_and_recount(store.engine)
     assert kept == recount
     assert kept[0] == {(0, TOPIC, "in_flight"): 2, (1, "audit", "in_flight"): 1}
+
+
+async def test_large_flushes_insert_and_then_update_every_entry(store: Store) -> None:
+    """Thousands of entries per flush (PostgreSQL writes them through COPY), then the same
+    keys again (the conflict path): every entry is exactly as the last marker left it."""
+    epochs = await claim(store)
+    n = 3_000
+    delays = [
+        pending(Marker.delay(GROUP, msg(o), delay_ms=60_000, reason="first"), T0, o)
+        for o in range(n)
+    ]
+    await apply(store, epochs, delays)
+    again = [
+        pending(Marker.delay(GROUP, msg(o), delay_ms=o, reason=f"second {o}"), T0 + 5, n + o)
+        for o in range(0, n, 2)
+    ]
+    await apply(store, epochs, again)
+    entries = {e.origin_offset: e for e in await store.list_entries(10 * n)}
+    assert len(entries) == n
+    for o, entry in entries.items():
+        if o % 2:
+            assert (entry.due_at_ms, entry.reason) == (T0 + 60_000, "first")
+        else:
+            assert (entry.due_at_ms, entry.reason, entry.updated_ms) == (
+                T0 + 5 + o,
+                f"second {o}",
+                T0 + 5,
+            )
+    assert await store.count_entries(State.DELAYED) == n
