@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from tracker.ids import MessageId
 from tracker.protocol import MAX_DELAY_MS, Marker, encode_marker
+from tracker.protocol_v2 import MAX_RANGE_WIDTH, RangeMarker, encode_range_marker
 
 _HEAD = struct.Struct(">BBBHiqH")  # version, kind, flags, attempt, partition, offset, topic len
 _START_TAIL = struct.Struct(">IH")  # timeout_ms, consumer length
@@ -74,7 +75,7 @@ def _truncated(rng: random.Random, topic: str) -> bytes:
 
 def _wrong_version(rng: random.Random, topic: str) -> bytes:
     value = bytearray(valid_start(topic, rng.randrange(1_000_000)))
-    value[0] = rng.choice([0, 2, 3, 0x7F, 0xFF])
+    value[0] = rng.choice([0, 3, 0x7F, 0xFF])  # 2 is range markers: see the v2 kinds below
     return bytes(value)
 
 
@@ -170,6 +171,80 @@ def _unknown_partition(rng: random.Random, topic: str) -> bytes:
     return valid_start(topic, rng.randrange(1_000_000), partition=rng.randint(1000, 2**31 - 1))
 
 
+# -- version 2 (range markers) ------------------------------------------------------------------
+
+_V2_HEAD = struct.Struct(">BBBiqqH")  # version, kind, flags, partition, first, last, topic len
+
+
+def raw_range(
+    *,
+    kind: int = 2,
+    flags: int = 0,
+    partition: int = 0,
+    first: int = 0,
+    last: int = 9,
+    topic: bytes = b"orders",
+    tail: bytes = b"",
+) -> bytes:
+    """A range marker assembled by hand (a SETTLE unless ``kind`` says otherwise)."""
+    head = _V2_HEAD.pack(2, kind, flags, partition, first, last, len(topic))
+    return head + topic + b"\x00\x04fuzz" + tail
+
+
+def _v2_reversed(rng: random.Random, topic: str) -> bytes:
+    first = rng.randrange(1, 1_000_000)
+    return raw_range(topic=topic.encode(), first=first, last=first - rng.randint(1, first))
+
+
+def _v2_absurd_width(rng: random.Random, topic: str) -> bytes:
+    return raw_range(topic=topic.encode(), last=rng.choice([MAX_RANGE_WIDTH, 2**40, 2**63 - 1]))
+
+
+def _v2_bitmap_wrong_length(rng: random.Random, topic: str) -> bytes:
+    size = rng.choice([0, 1, 3, 200, 2**32 - 1])
+    tail = struct.pack(">I", size) + b"\x01" * min(size, 8)
+    return raw_range(topic=topic.encode(), flags=1, tail=tail)  # width 10: 2 bytes
+
+
+def _v2_exceptions_beyond_range(rng: random.Random, topic: str) -> bytes:
+    if rng.random() < 0.5:  # a bitmap bit past the width
+        return raw_range(topic=topic.encode(), flags=1, tail=struct.pack(">I", 2) + b"\x00\x08")
+    start = rng.randint(0, 9)
+    return raw_range(topic=topic.encode(), flags=2, tail=struct.pack(">HII", 1, start, 11 - start))
+
+
+def _v2_runs_overlapping(rng: random.Random, topic: str) -> bytes:
+    runs = struct.pack(">HIIII", 2, 4, 2, rng.choice([0, 3, 5, 6]), 1)  # touch, overlap, reorder
+    return raw_range(topic=topic.encode(), flags=2, tail=runs)
+
+
+def _v2_covers_nothing(rng: random.Random, topic: str) -> bytes:
+    if rng.random() < 0.5:
+        return raw_range(topic=topic.encode(), flags=1, tail=struct.pack(">I", 2) + b"\xff\x03")
+    return raw_range(topic=topic.encode(), flags=2, tail=struct.pack(">HII", 1, 0, 10))
+
+
+def _v2_truncated(rng: random.Random, topic: str) -> bytes:
+    value = encode_range_marker(
+        RangeMarker.start(
+            "fuzz", topic, 0, 5, 300, exceptions=0b1011 << 100, timeout_ms=1, consumer="c"
+        )
+    )
+    return value[: rng.randrange(len(value))]
+
+
+def _v2_unknown_kind_or_flags(rng: random.Random, topic: str) -> bytes:
+    if rng.random() < 0.5:
+        return raw_range(topic=topic.encode(), kind=rng.choice([0, 3, 5, 6, 0xFF]))
+    return raw_range(topic=topic.encode(), flags=rng.choice([3, 4, 0x80]))
+
+
+def _v2_unknown_topic(rng: random.Random, topic: str) -> bytes:
+    return encode_range_marker(
+        RangeMarker.settle("fuzz", f"nosuch-{rng.getrandbits(64):016x}", 0, 0, 99)
+    )
+
+
 #: ``name -> generator``; each value is refused by the tracker (parked).
 GARBAGE: dict[str, Garbage] = {
     "random bytes": _random_bytes,
@@ -194,6 +269,15 @@ GARBAGE: dict[str, Garbage] = {
     "tombstone": _tombstone,
     "unknown topic": _unknown_topic,
     "unknown partition": _unknown_partition,
+    "v2 reversed range": _v2_reversed,
+    "v2 absurd width": _v2_absurd_width,
+    "v2 bitmap of the wrong length": _v2_bitmap_wrong_length,
+    "v2 exceptions beyond the range": _v2_exceptions_beyond_range,
+    "v2 runs overlapping or out of order": _v2_runs_overlapping,
+    "v2 exceptions covering the whole range": _v2_covers_nothing,
+    "v2 truncated": _v2_truncated,
+    "v2 unknown kind or flags": _v2_unknown_kind_or_flags,
+    "v2 unknown topic": _v2_unknown_topic,
 }
 
 

@@ -55,7 +55,16 @@ from tracker.engine.process import Tracker
 from tracker.errors import MarkerError
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
-from tracker.protocol import MAX_DELAY_MS, MAX_TIMEOUT_MS, Marker, decode_marker, encode_marker
+from tracker.protocol import (
+    MAX_DELAY_MS,
+    MAX_TIMEOUT_MS,
+    AnyMarker,
+    Marker,
+    decode_marker,
+    encode_any,
+    encode_marker,
+)
+from tracker.protocol_v2 import RangeKind, RangeMarker
 from tracker.store import Store
 
 from .harness import (
@@ -81,11 +90,29 @@ QUEUE_PARTITIONS = 2
 OPEN_LEASE_MS = 3_600_000
 
 
-def valid_markers(topic: str, count: int, rng: random.Random) -> list[Marker]:
-    """START+ACK pairs, and some STARTs left open; ``count`` markers in all."""
-    out: list[Marker] = []
+def valid_markers(topic: str, count: int, rng: random.Random) -> list[AnyMarker]:
+    """START+ACK pairs, and some STARTs left open; ``count`` markers in all. One in ten is a
+    v2 range pair instead (RANGE_START, RANGE_SETTLE with a few offsets left open)."""
+    out: list[AnyMarker] = []
     offset = 0
     while len(out) < count:
+        if rng.random() < 0.1 and len(out) < count - 1:
+            partition = rng.randrange(QUEUE_PARTITIONS)
+            first = 10_000_000 + offset  # apart from the v1 offsets
+            last = first + rng.randint(0, 99)
+            offset = last - 10_000_000 + 1
+            open_bits = rng.getrandbits(last - first + 1) & rng.getrandbits(last - first + 1)
+            open_bits &= rng.getrandbits(last - first + 1)  # ~1 in 8 left open
+            out.append(
+                RangeMarker.start(
+                    "fuzz", topic, partition, first, last, timeout_ms=OPEN_LEASE_MS, consumer="c"
+                )
+            )
+            if open_bits != (1 << (last - first + 1)) - 1:
+                out.append(
+                    RangeMarker.settle("fuzz", topic, partition, first, last, exceptions=open_bits)
+                )
+            continue
         message = MessageId(topic, offset % QUEUE_PARTITIONS, offset)
         offset += 1
         if rng.random() < OPEN_SHARE or len(out) == count - 1:
@@ -96,10 +123,24 @@ def valid_markers(topic: str, count: int, rng: random.Random) -> list[Marker]:
     return out
 
 
-def as_record(markers: str, marker: Marker) -> Outgoing:
+def expected_open_entries(markers: list[AnyMarker]) -> int:
+    """How many entries the valid markers leave in flight (open STARTs, unsettled offsets)."""
+    open_count = 0
+    for marker in markers:
+        if isinstance(marker, RangeMarker):
+            if marker.kind is RangeKind.RANGE_START:
+                open_count += marker.covered.bit_count()
+            else:
+                open_count -= marker.covered.bit_count()
+        elif marker.timeout_ms == OPEN_LEASE_MS:
+            open_count += 1
+    return open_count
+
+
+def as_record(markers: str, marker: AnyMarker) -> Outgoing:
     return Outgoing(
         markers,
-        encode_marker(marker),
+        encode_any(marker),
         marker_key(marker.origin_topic, marker.origin_partition),
         markers_partition(marker.origin_topic, marker.origin_partition, MARKERS_PARTITIONS),
     )
@@ -142,7 +183,7 @@ async def ingest_rate(bootstrap: str, database_url: str, markers: str, valid: in
         seconds = time.monotonic() - t0
         ingested = sum(
             metric(tracker, "kmq_markers_ingested_total", {"kind": kind})
-            for kind in ("START", "ACK")
+            for kind in ("START", "ACK", "RANGE_START", "RANGE_SETTLE")
         )
         assert ingested == valid, f"{ingested} valid markers ingested, {valid} written"
     return valid / seconds
@@ -158,7 +199,7 @@ def test_every_garbage_kind_is_refused_or_names_nothing_that_exists() -> None:
                 marker = decode_marker(value)
             except MarkerError:
                 continue
-            assert name in ("unknown topic", "unknown partition"), (name, value)
+            assert name in ("unknown topic", "unknown partition", "v2 unknown topic"), (name, value)
             assert marker.topic != "orders" or marker.partition >= 1000, (name, marker)
 
 
@@ -196,7 +237,7 @@ async def test_garbage_is_parked_and_valid_markers_are_applied(
         open_entries = await store.count_entries()
     finally:
         await store.close()
-    expected_open = sum(1 for m in markers if m.timeout_ms == OPEN_LEASE_MS)
+    expected_open = expected_open_entries(markers)
     report(
         Figures(
             test="markers fuzz (50 % garbage)",
