@@ -53,6 +53,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from tracker.engine.entries import OPERATOR_PREFIX, Entry, EntryKey, State
 from tracker.engine.ranges import RANGE_COLUMN_NAMES, TrackedRange
 from tracker.errors import KmqError
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .counts import CountChanges
 from .manager import (
@@ -665,7 +666,9 @@ class AdminStore:
                 here = [c == v for c, v in zip(lane, after[:3], strict=True)]
                 o = after[3]
                 queries += [
-                    base.where(*here, r.first_offset <= o, r.last_offset > o),
+                    base.where(
+                        *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
+                    ),
                     base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
                     base.where(tuple_(*lane) > _typed(lane, after[:3])).order_by(*by).limit(limit),
                 ]
@@ -681,7 +684,9 @@ class AdminStore:
                 ]
                 later = (r.due_at_ms, *lane)
                 queries += [
-                    base.where(*here, r.first_offset <= o, r.last_offset > o),
+                    base.where(
+                        *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
+                    ),
                     base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
                     base.where(tuple_(*later) > _typed(later, after[:4]))
                     .order_by(*by)

@@ -54,6 +54,7 @@ from tracker.engine.ranges import (
 )
 from tracker.errors import KmqError
 from tracker.protocol import AnyMarker, RangeMarker
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .counts import CountChanges, recount
 from .dialects import (
@@ -323,12 +324,12 @@ def _row_from_entry(entry: Entry) -> tuple[Any, ...]:
 
 
 def _merge_spans(
-    spans: Iterable[tuple[LaneKey, int, int]],
+    spans: Iterable[tuple[LaneKey, int, int]], gap: int = 1
 ) -> list[tuple[LaneKey, int, int]]:
-    """Overlapping or adjacent spans of one lane merged (fewer, simpler range queries)."""
+    """Spans of one lane merged where less than ``gap`` apart (fewer, simpler queries)."""
     merged: list[tuple[LaneKey, int, int]] = []
     for lane, first, last in sorted(spans):
-        if merged and merged[-1][0] == lane and first <= merged[-1][2] + 1:
+        if merged and merged[-1][0] == lane and first <= merged[-1][2] + gap:
             if last > merged[-1][2]:
                 merged[-1] = (lane, merged[-1][1], last)
         else:
@@ -617,19 +618,15 @@ class Store:
         spans) and the tracked ranges overlapping what they touch."""
         keys: list[EntryKey] = []
         spans: list[tuple[LaneKey, int, int]] = []
-        extent: dict[LaneKey, tuple[int, int]] = {}
+        reach: list[tuple[LaneKey, int, int]] = []  #: every offset a marker touches
         for lane, pendings in lanes.items():
-            low = high = -1
             for pending in pendings:
                 first, last = touched(pending.marker)
                 if isinstance(pending.marker, RangeMarker):
                     spans.append((lane, first, last))
                 else:
                     keys.append((*lane, first))
-                if low < 0 or first < low:
-                    low = first
-                high = max(high, last)
-            extent[lane] = (low, high)
+                reach.append((lane, first, last))
         loaded = await self._load(conn, list(dict.fromkeys(keys))) if keys else {}
         for span_chunk in chunks(_merge_spans(spans), _LANE_CHUNK):
             columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
@@ -654,7 +651,11 @@ class Store:
         found_ranges: dict[LaneKey, dict[RangeKey, TrackedRange]] = defaultdict(dict)
         columns = [ranges_table.c[name] for name in RANGE_COLUMN_NAMES]
         r = ranges_table.c
-        for lane_chunk in chunks(list(extent.items()), _LANE_CHUNK):
+        # A range never spans more than MAX_RANGE_WIDTH offsets (it is a subset of one
+        # RANGE_START), so the ranges holding any offset of [a, b] start in
+        # [a - MAX_RANGE_WIDTH + 1, b]: a bounded walk of the primary key, however many
+        # ranges the lane has elsewhere.
+        for lane_chunk in chunks(_merge_spans(reach, MAX_RANGE_WIDTH), _LANE_CHUNK):
             rows = await conn.execute(
                 select(*columns).where(
                     or_(
@@ -663,10 +664,10 @@ class Store:
                                 r.group_id == g,
                                 r.origin_topic == t,
                                 r.origin_partition == p,
-                                r.last_offset >= low,
-                                r.first_offset <= high,
+                                r.first_offset.between(a - MAX_RANGE_WIDTH + 1, b),
+                                r.last_offset >= a,
                             )
-                            for (g, t, p), (low, high) in lane_chunk
+                            for (g, t, p), a, b in lane_chunk
                         )
                     )
                 )
@@ -1023,7 +1024,7 @@ class Store:
                 r.group_id == key[0],
                 r.origin_topic == key[1],
                 r.origin_partition == key[2],
-                r.first_offset <= key[3],
+                r.first_offset.between(key[3] - MAX_RANGE_WIDTH + 1, key[3]),
                 r.last_offset >= key[3],
             )
         )
