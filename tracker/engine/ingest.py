@@ -129,7 +129,10 @@ class MarkerIngest:
         self._on_caught_up = on_caught_up or (lambda _safe: None)
         self._owned: dict[int, _Partition] = {}
         self._unclaimed: set[int] = set()  #: assigned, but the store could not be reached
-        self._lock = asyncio.Lock()  #: serializes flushes with rebalance callbacks
+        self._lock = asyncio.Lock()  #: serializes polls with rebalance callbacks
+        #: the flush running while the loop fetches and decodes the next markers (one at a
+        #: time: a flush must see what the one before it wrote)
+        self._flushing: asyncio.Task[None] | None = None
         self.store_ok = True
         self.broker_ok = False
         self._broker_lost_at: float | None = None  #: monotonic time the broker went quiet
@@ -180,6 +183,10 @@ class MarkerIngest:
 
     async def _assign(self, partitions: set[int]) -> None:
         async with self._lock:
+            try:
+                await self._flushed()
+            except StoreUnavailable as exc:  # its markers stay pending: flushed again later
+                self._store_failed(exc)
             self._unclaimed |= partitions
             await self._claim_unclaimed()
 
@@ -221,6 +228,7 @@ class MarkerIngest:
             if not mine:
                 return
             try:
+                await self._flushed()
                 await self._flush(force=True, only=mine)
             except (StoreUnavailable, Fenced) as exc:
                 # Not applied: the next owner reads these markers again from the store offset.
@@ -258,14 +266,23 @@ class MarkerIngest:
         await self.drain()
 
     async def poll_once(self, wait: float = 0.0) -> int:
-        """One iteration: claim what is unclaimed, fetch, flush. Returns markers fetched."""
+        """One iteration: claim what is unclaimed, fetch, flush. Returns markers fetched.
+
+        The flush of what left the coalescing window runs in the background while the next
+        markers are fetched, decoded and checked (with a zero window it is applied before
+        this returns); its failure surfaces here, on the next call.
+        """
+        if self._flushing is not None and self._flushing.done():
+            await self._flushed()  # raises what the background flush raised
         async with self._lock:
             await self._claim_unclaimed()
             if self._unclaimed and not self._owned:
                 return 0
             if not self.store_ok:
+                await self._flushed()
                 await self._flush(force=False)  # raises while the store is still down
             if self._pending_count() >= self._max_pending:
+                await self._flushed()
                 await self._flush(force=True)
         fetched: dict[Any, list[Any]] = await self._consumer.getmany(
             timeout_ms=int(wait * 1000), max_records=self._max_records
@@ -285,9 +302,21 @@ class MarkerIngest:
             for batch in sorted_out:
                 self._accept(batch)
             await self._note_caught_up()
-            await self._flush(force=self._window <= 0)
+            if self._window <= 0:
+                await self._flushed()
+                await self._flush(force=True)
+            elif self._flushing is None:
+                self._flushing = asyncio.get_running_loop().create_task(
+                    self._flush(force=False), name="kmq-ingest-flush"
+                )
         self._metrics.pending_markers.set(self._pending_count())
         return count
+
+    async def _flushed(self) -> None:
+        """Wait for the background flush, if one runs; raise what it raised."""
+        task, self._flushing = self._flushing, None
+        if task is not None:
+            await task
 
     async def _sort(self, partition: int, state: _Partition, records: list[Any]) -> _Sorted:
         """Decode and check one partition's records: what to apply, what to refuse."""
@@ -585,12 +614,15 @@ class MarkerIngest:
         """Apply everything read so far (shutdown, tests). Errors are logged, not raised."""
         async with self._lock:
             try:
+                await self._flushed()
                 await self._flush(force=True)
             except StoreUnavailable as exc:
                 log.warning("could not apply pending markers at shutdown (re-read later): %s", exc)
 
     async def release_all(self) -> None:
         async with self._lock:
+            with contextlib.suppress(StoreUnavailable, KafkaError):
+                await self._flushed()  # what it did not apply is read again by the next owner
             epochs = self.owned_epochs()
             for p in list(self._owned):
                 self._forget(p)
