@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Sequence
 
 from tracker.errors import MarkerWriteFailed
-from tracker.protocol import Marker, decode_marker, encode_marker
+from tracker.protocol import AnyMarker, decode_marker, encode_any
 
 
 def _done() -> asyncio.Future[None]:
@@ -23,21 +23,21 @@ class InMemoryMarkerSink:
     """
 
     def __init__(self) -> None:
-        self.markers: list[Marker] = []
+        self.markers: list[AnyMarker] = []
         self.fail = False
 
-    async def send(self, marker: Marker) -> Awaitable[None]:
+    async def send(self, marker: AnyMarker) -> Awaitable[None]:
         if self.fail:
             raise MarkerWriteFailed("InMemoryMarkerSink was told to fail")
-        self.markers.append(decode_marker(encode_marker(marker)))
+        self.markers.append(decode_marker(encode_any(marker)))
         return _done()
 
-    def send_later(self, marker: Marker) -> None:
+    def send_later(self, marker: AnyMarker) -> None:
         """Like the Kafka sink: a failure is not raised to the caller (the marker is lost)."""
         if not self.fail:
-            self.markers.append(decode_marker(encode_marker(marker)))
+            self.markers.append(decode_marker(encode_any(marker)))
 
-    async def send_all(self, markers: Sequence[Marker]) -> None:
+    async def send_all(self, markers: Sequence[AnyMarker]) -> None:
         for marker in markers:
             await self.send(marker)
 

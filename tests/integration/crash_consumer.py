@@ -1,6 +1,6 @@
 """A consumer process the tests kill with SIGKILL after it received messages.
 
-Usage: python crash_consumer.py BOOTSTRAP TOPIC GROUP MARKERS_TOPIC EXPECTED
+Usage: python crash_consumer.py BOOTSTRAP TOPIC GROUP MARKERS_TOPIC EXPECTED [MARKER_VERSION]
 
 It prints ``RECEIVED <partition> <offset>`` for each message handed to it (flushing stdout),
 then ``ALL <n>`` once it has EXPECTED messages, and then blocks without acking anything, so the
@@ -16,7 +16,9 @@ from datetime import timedelta
 from tracker.client import KmqConsumer
 
 
-async def main(bootstrap: str, topic: str, group: str, markers: str, expected: int) -> None:
+async def main(
+    bootstrap: str, topic: str, group: str, markers: str, expected: int, *, version: int
+) -> None:
     consumer = KmqConsumer(
         topic,
         group_id=group,
@@ -24,6 +26,7 @@ async def main(bootstrap: str, topic: str, group: str, markers: str, expected: i
         markers_topic=markers,
         processing_timeout=timedelta(seconds=30),
         consumer_id="crash-consumer",
+        marker_version=version,
     )
     await consumer.start()
     received = 0
@@ -37,4 +40,5 @@ async def main(bootstrap: str, topic: str, group: str, markers: str, expected: i
 
 if __name__ == "__main__":
     bootstrap, topic, group, markers, expected = sys.argv[1:6]
-    asyncio.run(main(bootstrap, topic, group, markers, int(expected)))
+    version = int(sys.argv[6]) if len(sys.argv) > 6 else 2
+    asyncio.run(main(bootstrap, topic, group, markers, int(expected), version=version))

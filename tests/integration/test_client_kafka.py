@@ -23,6 +23,7 @@ from tracker.ids import MessageId
 from tracker.kafka.admin import topic_partitions
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import MarkerKind
+from tracker.protocol_v2 import RangeKind, RangeMarker
 from tracker.testing import InMemoryMarkerSink
 
 from .markers_reader import committed_offset, read_markers
@@ -58,6 +59,8 @@ def consumer_for(bootstrap: str, topic: str, markers: str, **kwargs: object) -> 
     kwargs.setdefault(
         "consumer_config", {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
     )
+    # These tests read the per-message markers back: protocol v1 (v2: test_client_ranges_kafka).
+    kwargs.setdefault("marker_version", 1)
     return KmqConsumer(
         topic,
         group_id=str(group),
@@ -68,10 +71,14 @@ def consumer_for(bootstrap: str, topic: str, markers: str, **kwargs: object) -> 
     )
 
 
+@pytest.mark.parametrize("version", [1, 2])
 async def test_start_is_on_the_broker_and_offset_committed_before_the_app_sees_it(
-    kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
+    kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path, version: int
 ) -> None:
-    """Kill the consumer (SIGKILL) after it received messages and before it acked any."""
+    """Kill the consumer (SIGKILL) after it received messages and before it acked any.
+
+    v1: one START per message; v2: RANGE_STARTs covering exactly the messages received (the
+    batch prepared ahead finds nothing more to fetch)."""
     topic = await topic_factory(partitions=3)
     markers = await topic_factory(partitions=4)
     group = f"crash-{topic}"
@@ -89,6 +96,7 @@ async def test_start_is_on_the_broker_and_offset_committed_before_the_app_sees_i
             group,
             markers,
             "30",
+            str(version),
             stdout=asyncio.subprocess.PIPE,
             stderr=log_file,
             env=env,
@@ -109,12 +117,28 @@ async def test_start_is_on_the_broker_and_offset_committed_before_the_app_sees_i
         await asyncio.wait_for(proc.wait(), 30)
 
     assert len(received) == 30
-    found = await read_markers(kafka_bootstrap, markers, at_least=30)
-    starts = [r.single for r in found if r.single.kind is MarkerKind.START]
-    assert len(found) == len(starts) == 30, "exactly one START per message, nothing else"
-    assert sorted((m.partition, m.offset) for m in starts) == sorted(received)
-    assert all(m.group == group and m.timeout_ms == 30_000 for m in starts)
-    assert all(m.consumer == "crash-consumer" for m in starts)
+    if version == 1:
+        found = await read_markers(kafka_bootstrap, markers, at_least=30)
+        starts = [r.single for r in found if r.single.kind is MarkerKind.START]
+        assert len(found) == len(starts) == 30, "exactly one START per message, nothing else"
+        assert sorted((m.partition, m.offset) for m in starts) == sorted(received)
+        assert all(m.group == group and m.timeout_ms == 30_000 for m in starts)
+        assert all(m.consumer == "crash-consumer" for m in starts)
+    else:
+        found = await read_markers(kafka_bootstrap, markers, at_least=3)
+        ranges = [r.marker for r in found]
+        assert all(
+            isinstance(m, RangeMarker) and m.kind is RangeKind.RANGE_START for m in ranges
+        ), "nothing but RANGE_STARTs (no message was settled)"
+        covered = sorted(
+            (m.partition, o) for m in ranges if isinstance(m, RangeMarker) for o in m.offsets()
+        )
+        assert covered == sorted(received), "the ranges cover exactly what the app received"
+        assert all(
+            isinstance(m, RangeMarker)
+            and (m.group, m.timeout_ms, m.consumer) == (group, 30_000, "crash-consumer")
+            for m in ranges
+        )
     for partition in range(3):
         offsets = [o for p, o in received if p == partition]
         committed = await committed_offset(kafka_bootstrap, group, topic, partition)
@@ -306,8 +330,9 @@ async def test_exact_duplicate_copies_are_dropped_when_dedup_is_on(
         assert await consumer.getmany(timedelta(milliseconds=300)) == []
 
 
+@pytest.mark.parametrize("version", [1, 2])
 async def test_unacknowledged_markers_mean_no_hand_over_and_no_commit(
-    kafka_bootstrap: str, topic_factory: TopicFactory
+    kafka_bootstrap: str, topic_factory: TopicFactory, version: int
 ) -> None:
     """If the START markers cannot be written, the batch is neither committed nor handed over,
     and it is read again once markers can be written."""
@@ -317,7 +342,12 @@ async def test_unacknowledged_markers_mean_no_hand_over_and_no_commit(
     sink.fail = True
     group = f"failing-{topic}"
     consumer = KmqConsumer(
-        topic, group_id=group, bootstrap_servers=kafka_bootstrap, marker_sink=sink
+        topic,
+        group_id=group,
+        bootstrap_servers=kafka_bootstrap,
+        marker_sink=sink,
+        marker_version=version,
+        consumer_id="c-1",
     )
     async with consumer:
         loop = asyncio.get_running_loop()
@@ -333,7 +363,10 @@ async def test_unacknowledged_markers_mean_no_hand_over_and_no_commit(
         sink.fail = False
         messages = await collect(consumer, 3)
         assert [m.value for m in messages] == [b"m0", b"m1", b"m2"]
-        assert [m.kind for m in sink.markers] == [MarkerKind.START] * 3
+        if version == 1:
+            assert [m.kind for m in sink.markers] == [MarkerKind.START] * 3
+        else:
+            assert sink.markers == [RangeMarker.start(group, topic, 0, 0, 2, consumer="c-1")]
     assert await committed_offset(kafka_bootstrap, group, topic, 0) == 3
 
 

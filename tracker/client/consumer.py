@@ -9,14 +9,23 @@ For every fetched batch the client
 
 That order is the KMQ invariant: after a crash at any point, every message is either read again
 (its offset was not committed) or covered by a START the tracker will act on. Nothing is lost.
+
+With range markers (protocol v2, the default) step 1 is one RANGE_START per fetched partition
+batch, acks are bytes in the batch's :class:`~tracker.client.ranges.OpenRange` that go out as
+RANGE_SETTLEs, and steps 1-3 for batch n+1 run in the background while the application works
+on batch n (*pipelining*): in steady state the application never waits for a round trip, and
+the invariant is the same, since a prepared batch is handed over only after all three steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Self
@@ -27,13 +36,18 @@ from aiokafka.structs import OffsetAndMetadata
 
 from tracker.clock import Clock, SystemClock
 from tracker.errors import ClientClosed, MarkerWriteFailed
-from tracker.ids import is_valid_topic
+from tracker.ids import MessageId, is_valid_topic
 from tracker.kafka.clients import stop_consumer
-from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS
+from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker, Marker
+from tracker.protocol_v2 import RangeMarker
 
 from .markers import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage
-from .planning import Action, Planned, SeenCopies, plan_batch
+from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
+from .ranges import OPEN, RangeBook
+
+#: Versions of the marker protocol the client can write (docs/protocol.md).
+MARKER_VERSIONS = (1, 2)
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +70,22 @@ class KmqConsumer:
                 async with message.processing():
                     await handle(message.value)
 
+    Whole batches (the cheapest form: one RANGE_START and one RANGE_SETTLE per partition
+    batch)::
+
+            async for batch in consumer.batches():
+                await handle_all(batch)
+                await consumer.ack_all()
+
     ``processing_timeout`` is the lease each START asks for; ``None`` leaves it to the
     tracker's per-topic policy. ``dedup_window`` (opt-in) skips exact duplicates of a copy
     (same origin and attempt) taken within that window. Extra aiokafka settings (security,
     fetch sizes, ...) go in ``consumer_config`` / ``producer_config``.
+
+    ``marker_version``: 2 (default) writes range markers and prepares the next batch while
+    the application works on the current one: its lease starts then, and if it waited more
+    than half its lease before being handed over, it is extended at hand-over. 1 writes one
+    START and one ACK record per message, for trackers older than protocol v2.
     """
 
     def __init__(
@@ -78,7 +104,12 @@ class KmqConsumer:
         consumer_config: Mapping[str, Any] | None = None,
         producer_config: Mapping[str, Any] | None = None,
         marker_sink: MarkerSink | None = None,
+        marker_version: int = 2,
     ) -> None:
+        if marker_version not in MARKER_VERSIONS or isinstance(marker_version, bool):
+            raise ValueError(
+                f"marker_version must be 1 or 2 (docs/protocol.md), got {marker_version!r}"
+            )
         if not topics:
             raise ValueError("KmqConsumer needs at least one topic")
         for topic in (*topics, markers_topic):
@@ -121,6 +152,11 @@ class KmqConsumer:
             )
             marker_sink = KafkaMarkerSink(self._producer, markers_topic)
         self._sink: MarkerSink = marker_sink
+        self.marker_version = marker_version
+        self._book = RangeBook(self._sink.send_later)
+        self._prefetch: asyncio.Task[_Prepared] | None = None
+        #: handed-over messages settled per message (copies): what ack_all must ack
+        self._loose: list[KmqMessage] = []
         self._running = False
         self.skipped = 0  #: records skipped (other group's copies, duplicates)
         self.deferred = 0  #: not-yet-due delayed records handed to the tracker
@@ -146,9 +182,33 @@ class KmqConsumer:
             return
         self._running = False
         try:
+            await self._release_prefetched()
+            self._book.flush()
+            self._book.close()
             await self._sink.flush()
         finally:
             await self._close_clients()
+
+    async def _release_prefetched(self) -> None:
+        """Stop preparing; give a prepared batch the app never saw back to the tracker.
+
+        Its STARTs are acknowledged and its offsets committed, so it is covered; an EXTEND
+        of 1 ms makes the tracker redeliver it at once instead of at the end of its lease
+        (what SQS does with a visibility timeout of 0, share groups with RELEASE). A batch
+        whose preparation is cancelled half way is either covered (STARTs written) or read
+        again (offsets not committed).
+        """
+        task, self._prefetch = self._prefetch, None
+        if task is None:
+            return
+        if not task.done():
+            task.cancel()
+        try:
+            prepared = await task
+        except (asyncio.CancelledError, MarkerWriteFailed, KafkaError):
+            return
+        for marker in prepared.extensions(1):
+            self._sink.send_later(marker)
 
     async def _close_clients(self) -> None:
         try:
@@ -170,8 +230,21 @@ class KmqConsumer:
         await self.stop()
 
     async def flush(self) -> None:
-        """Wait until every marker written so far is acknowledged by the broker."""
+        """Send the acks not sent yet; wait until every marker so far is acknowledged."""
+        self._book.flush()
         await self._sink.flush()
+
+    async def ack_all(self) -> None:
+        """Ack every message handed out so far and not settled yet (the batch form).
+
+        With range markers this is one RANGE_SETTLE per open batch range, however many
+        messages it covers; copies (settled per message) get their ACKs.
+        """
+        self._book.ack_all()
+        loose, self._loose = self._loose, []
+        for message in loose:
+            if message.settled is None:
+                await message.ack()
 
     # -- consuming ------------------------------------------------------------------------
 
@@ -187,6 +260,8 @@ class KmqConsumer:
         timeout_ms = (
             self._fetch_timeout_ms if wait is None else max(0, round(wait.total_seconds() * 1000))
         )
+        if self.marker_version == 2:
+            return await self._getmany_ranges(timeout_ms)
         fetched: dict[Any, list[Any]] = await self._consumer.getmany(
             timeout_ms=timeout_ms, max_records=self._max_batch
         )
@@ -205,11 +280,102 @@ class KmqConsumer:
         try:
             await self._sink.send_all(markers)
         except MarkerWriteFailed:
-            self._rewind(fetched)
+            self._rewind(fetched, _taken(planned))
             raise
-        if not await self._commit(fetched):
+        if not await self._commit(fetched, _taken(planned)):
             return []
         return self._hand_over(planned)
+
+    async def _getmany_ranges(self, timeout_ms: int) -> list[KmqMessage]:
+        """Hand over the prepared batch; start preparing the next one."""
+        task = self._prefetch
+        if task is None:
+            task = self._prefetch = asyncio.get_running_loop().create_task(
+                self._prepare(timeout_ms), name="kmq-prepare-batch"
+            )
+        # Shielded: a caller cancelled while waiting leaves the batch to the next call (a
+        # batch cancelled half way could be committed and never handed over).
+        try:
+            prepared = await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._prefetch = None
+        self._book.flush()  # the acks of the batches before go out first
+        messages = self._hand_over_ranges(prepared)
+        if self._running:
+            self._prefetch = asyncio.get_running_loop().create_task(
+                self._prepare(timeout_ms), name="kmq-prepare-next-batch"
+            )
+        return messages
+
+    async def _prepare(self, timeout_ms: int) -> _Prepared:
+        """Fetch a batch, write its STARTs and wait for them, commit its offsets."""
+        fetched: dict[Any, list[Any]] = await self._consumer.getmany(
+            timeout_ms=timeout_ms, max_records=self._max_batch
+        )
+        now = self._clock.now()
+        plans = [
+            plan_ranges(
+                batch,
+                group=self.group_id,
+                consumer_id=self.consumer_id,
+                timeout_ms=self._timeout_ms,
+                now=now,
+                seen=self._seen,
+            )
+            for batch in fetched.values()
+            if batch
+        ]
+        markers: list[AnyMarker] = []
+        for plan in plans:
+            markers += [opened.start(self.consumer_id, self._timeout_ms) for opened in plan.ranges]
+            markers += plan.markers
+        copies = [
+            (origin, attempt)
+            for plan in plans
+            for _, _, _, origin, attempt in plan.deliver
+            if origin is not None
+        ]
+        if markers:
+            try:
+                await self._sink.send_all(markers)
+            except MarkerWriteFailed:
+                self._rewind(fetched, copies)
+                raise
+        if fetched and not await self._commit(fetched, copies):
+            return _Prepared([], time.monotonic(), self._timeout_ms, self.group_id)
+        return _Prepared(plans, time.monotonic(), self._timeout_ms, self.group_id)
+
+    def _hand_over_ranges(self, prepared: _Prepared) -> list[KmqMessage]:
+        if prepared.stale():
+            # It waited for the application longer than half its lease: renew the lease of
+            # what it holds before the tracker counts it as abandoned.
+            for marker in prepared.extensions(self._timeout_ms):
+                self._sink.send_later(marker)
+        messages: list[KmqMessage] = []
+        book, sink, group = self._book, self._sink, self.group_id
+        if self._loose:
+            self._loose = [m for m in self._loose if m.settled is None]
+        for plan in prepared.plans:
+            self.deferred += plan.deferred
+            self.skipped += plan.skipped
+            for whole in plan.ranges:
+                book.add(whole)
+            for record, opened, index, origin, attempt in plan.deliver:
+                message = KmqMessage(
+                    record,
+                    origin=origin,
+                    attempt=attempt,
+                    group=group,
+                    sink=sink,
+                    in_range=opened,
+                    index=index,
+                    book=book,
+                )
+                if opened is None:
+                    self._loose.append(message)
+                messages.append(message)
+        return messages
 
     def _hand_over(self, planned: list[Planned]) -> list[KmqMessage]:
         messages: list[KmqMessage] = []
@@ -231,7 +397,9 @@ class KmqConsumer:
                 log.debug("skipped %s: %s", p.message, p.why)
         return messages
 
-    async def _commit(self, fetched: dict[Any, list[Any]]) -> bool:
+    async def _commit(
+        self, fetched: dict[Any, list[Any]], taken: list[tuple[MessageId, int]]
+    ) -> bool:
         offsets = {
             tp: OffsetAndMetadata(batch[-1].offset + 1, "")
             for tp, batch in fetched.items()
@@ -243,12 +411,19 @@ class KmqConsumer:
             # Typically a rebalance. The STARTs are written, so the tracker covers these
             # messages; re-reading them (here or at the new owner) is the safe way on.
             log.warning("offset commit failed (%r); the batch will be read again", exc)
-            self._rewind(fetched)
+            self._rewind(fetched, taken)
             return False
         return True
 
-    def _rewind(self, fetched: dict[Any, list[Any]]) -> None:
-        """Seek back to the first record of the batch on partitions we still own."""
+    def _rewind(self, fetched: dict[Any, list[Any]], taken: list[tuple[MessageId, int]]) -> None:
+        """Seek back to the first record of the batch on partitions we still own.
+
+        The copies of the batch are forgotten by the deduplication: read again, they are not
+        duplicates (skipping them would commit past copies nobody took).
+        """
+        if self._seen is not None:
+            for origin, attempt in taken:
+                self._seen.forget(origin, attempt)
         assigned = self._consumer.assignment()
         for tp, batch in fetched.items():
             if batch and tp in assigned:
@@ -270,3 +445,54 @@ class KmqConsumer:
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
+
+
+def _taken(planned: list[Planned]) -> list[tuple[MessageId, int]]:
+    """The copies a batch takes (what the deduplication must forget if it is read again)."""
+    return [(p.origin, p.attempt) for p in planned if p.action is not Action.SKIP]
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A batch whose STARTs are acknowledged and offsets committed, ready to hand over."""
+
+    plans: list[RangePlan]
+    at: float  #: time.monotonic() when it was ready: its leases run from about then
+    timeout_ms: int  #: the lease its STARTs asked for (0: the topic's policy)
+    group: str
+
+    def stale(self) -> bool:
+        """Whether it waited more than half its lease (known only when the client set it)."""
+        return bool(self.timeout_ms) and (time.monotonic() - self.at) * 2000 > self.timeout_ms
+
+    def extensions(self, timeout_ms: int) -> list[AnyMarker]:
+        """EXTENDs of ``timeout_ms`` for every message it holds (1 ms: give them back)."""
+        out: list[AnyMarker] = []
+        for plan in self.plans:
+            for whole in plan.ranges:
+                if OPEN in whole.flags:
+                    start = whole.start("", 0)
+                    out.append(
+                        RangeMarker.extend(
+                            start.group,
+                            start.topic,
+                            start.partition,
+                            start.first_offset,
+                            start.last_offset,
+                            timeout_ms=timeout_ms,
+                            exceptions=start.exceptions,
+                        )
+                    )
+            for record, opened, _, origin, attempt in plan.deliver:
+                if opened is None:
+                    message = MessageId(record.topic, record.partition, record.offset)
+                    out.append(
+                        Marker.extend(
+                            self.group,
+                            message,
+                            timeout_ms=timeout_ms,
+                            attempt=attempt,
+                            origin=origin,
+                        )
+                    )
+        return out

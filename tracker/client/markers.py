@@ -17,15 +17,15 @@ from aiokafka.errors import KafkaError
 
 from tracker.errors import MarkerWriteFailed
 from tracker.partitioning import marker_key, markers_partition
-from tracker.protocol import Marker, encode_marker
+from tracker.protocol import AnyMarker, encode_any
 
 
 class MarkerSink(Protocol):
-    async def send(self, marker: Marker) -> Awaitable[None]:
+    async def send(self, marker: AnyMarker) -> Awaitable[None]:
         """Queue one marker for sending (batched); the result completes once the broker acked it."""
         ...
 
-    def send_later(self, marker: Marker) -> None:
+    def send_later(self, marker: AnyMarker) -> None:
         """Queue a marker nobody waits for; it goes out with the next batch, failures are logged.
 
         Order is kept: a marker queued here is sent before any marker passed to a later
@@ -33,7 +33,7 @@ class MarkerSink(Protocol):
         """
         ...
 
-    async def send_all(self, markers: Sequence[Marker]) -> None:
+    async def send_all(self, markers: Sequence[AnyMarker]) -> None:
         """Send markers and return only once the broker acknowledged every one of them."""
         ...
 
@@ -77,7 +77,7 @@ class KafkaMarkerSink:
         #: encoded markers from send_later: (markers partition, key, value)
         self._queued: list[tuple[int, bytes, bytes]] = []
         #: send_later before the partition count is known (validated, encoded once started)
-        self._pending_start: list[Marker] = []
+        self._pending_start: list[AnyMarker] = []
         self._drainer: asyncio.Task[None] | None = None
         self._unsettled: set[asyncio.Future[None]] = set()
         self._lock = asyncio.Lock()
@@ -115,15 +115,15 @@ class KafkaMarkerSink:
             ) from exc
         self._partitions = len(partitions)
 
-    def _encode(self, marker: Marker) -> tuple[int, bytes, bytes]:
+    def _encode(self, marker: AnyMarker) -> tuple[int, bytes, bytes]:
         """(markers partition, key, value); raises ``MarkerError`` for an invalid marker."""
         return (
             markers_partition(marker.origin_topic, marker.origin_partition, self._partitions),
             marker_key(marker.origin_topic, marker.origin_partition),
-            encode_marker(marker),
+            encode_any(marker),
         )
 
-    async def _enqueue(self, markers: Sequence[Marker]) -> dict[int, list[Any]]:
+    async def _enqueue(self, markers: Sequence[AnyMarker]) -> dict[int, list[Any]]:
         """Hand the queued markers, then ``markers``, to the producer: partition -> futures."""
         async with self._lock:
             if not self._partitions:
@@ -158,7 +158,7 @@ class KafkaMarkerSink:
                 raise MarkerWriteFailed(f"cannot queue markers: {exc!r}") from exc
             return futures
 
-    async def send(self, marker: Marker) -> Awaitable[None]:
+    async def send(self, marker: AnyMarker) -> Awaitable[None]:
         futures = await self._enqueue([marker])
         mine = markers_partition(marker.origin_topic, marker.origin_partition, self._partitions)
         for partition, sent in futures.items():
@@ -166,10 +166,10 @@ class KafkaMarkerSink:
                 self._watch(_settle(sent))
         return _settle(futures[mine])
 
-    def send_later(self, marker: Marker) -> None:
+    def send_later(self, marker: AnyMarker) -> None:
         if not self._partitions:
             # Not started yet: the partition count comes with the first send.
-            encode_marker(marker)  # an invalid marker raises here, to the caller
+            encode_any(marker)  # an invalid marker raises here, to the caller
             self._pending_start.append(marker)
         else:
             self._queued.append(self._encode(marker))  # an invalid marker raises here
@@ -201,7 +201,7 @@ class KafkaMarkerSink:
         if not future.cancelled() and future.exception() is not None:
             _warn_unacknowledged(future.exception())
 
-    async def send_all(self, markers: Sequence[Marker]) -> None:
+    async def send_all(self, markers: Sequence[AnyMarker]) -> None:
         futures = await self._enqueue(markers)
         await _settle([f for sent in futures.values() for f in sent])
 

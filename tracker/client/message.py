@@ -9,12 +9,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from tracker.clock import from_millis
-from tracker.errors import AlreadySettled, InvalidDelay
+from tracker.errors import AlreadySettled, InvalidDelay, MarkerWriteFailed
 from tracker.headers import without_kmq_headers
 from tracker.ids import MessageId
 from tracker.protocol import MAX_DELAY_MS, MAX_REASON_LENGTH, MAX_TIMEOUT_MS, Marker, MarkerKind
 
 from .markers import MarkerSink
+from .ranges import ACKED, DIVERGED, OPEN, SENT, OpenRange, RangeBook
 
 log = logging.getLogger(__name__)
 
@@ -48,68 +49,110 @@ class KmqMessage:
 
     The settling verbs queue their marker in the client's batching producer and return without a
     network round trip; pass ``wait=True`` (or call the consumer's ``flush()``) to wait for the
-    broker's acknowledgement.
+    broker's acknowledgement. A message covered by a range marker (protocol v2) is acked by
+    setting one byte of its batch's :class:`~tracker.client.ranges.OpenRange`: the RANGE_SETTLE
+    goes out with the batch's other acks.
+
+    Cheap to make: it keeps the record and decodes identity, headers and timestamp only when
+    they are asked for.
     """
 
     __slots__ = (
+        "_attempt",
+        "_book",
+        "_index",
+        "_origin",
+        "_range",
+        "_record",
         "_settled",
         "_sink",
-        "attempt",
         "consumer_group",
-        "headers",
-        "id",
-        "key",
-        "origin",
-        "raw_headers",
-        "timestamp",
-        "value",
     )
 
     def __init__(
         self,
         record: Any,
         *,
-        origin: MessageId,
+        origin: MessageId | None,
         attempt: int,
         group: str,
         sink: MarkerSink,
+        in_range: OpenRange | None = None,
+        index: int = 0,
+        book: RangeBook | None = None,
     ) -> None:
-        self.id = MessageId(record.topic, record.partition, record.offset)
-        self.origin = origin
-        self.attempt = attempt
+        self._record = record
+        self._origin = origin  #: None: a first delivery, its own origin
+        self._attempt = attempt
         self.consumer_group = group
-        self.key: bytes | None = record.key
-        self.value: bytes | None = record.value
-        raw: tuple[tuple[str, bytes | None], ...] = tuple(record.headers or ())
-        self.raw_headers = raw
-        self.headers: tuple[tuple[str, bytes | None], ...] = (
-            tuple(without_kmq_headers(raw)) if raw else raw
-        )
-        self.timestamp: datetime = from_millis(record.timestamp)
         self._sink = sink
+        self._range = in_range
+        self._index = index
+        self._book = book
         self._settled: MarkerKind | None = None
 
     # -- identity -------------------------------------------------------------------------
 
     @property
+    def id(self) -> MessageId:
+        record = self._record
+        return MessageId(record.topic, record.partition, record.offset)
+
+    @property
+    def origin(self) -> MessageId:
+        """The first delivery of the logical message (the message itself on a first one)."""
+        return self._origin if self._origin is not None else self.id
+
+    @property
+    def attempt(self) -> int:
+        return self._attempt
+
+    @property
     def topic(self) -> str:
-        return self.id.topic
+        return str(self._record.topic)
 
     @property
     def partition(self) -> int:
-        return self.id.partition
+        return int(self._record.partition)
 
     @property
     def offset(self) -> int:
-        return self.id.offset
+        return int(self._record.offset)
+
+    @property
+    def key(self) -> bytes | None:
+        return self._record.key  # type: ignore[no-any-return]
+
+    @property
+    def value(self) -> bytes | None:
+        return self._record.value  # type: ignore[no-any-return]
+
+    @property
+    def raw_headers(self) -> tuple[tuple[str, bytes | None], ...]:
+        """Every header of the record, kmq ones included."""
+        return tuple(self._record.headers or ())
+
+    @property
+    def headers(self) -> tuple[tuple[str, bytes | None], ...]:
+        """The application's headers (the record's, without kmq's own)."""
+        raw = self.raw_headers
+        return tuple(without_kmq_headers(raw)) if raw else raw
+
+    @property
+    def timestamp(self) -> datetime:
+        return from_millis(self._record.timestamp)
 
     @property
     def is_redelivery(self) -> bool:
-        return self.origin != self.id
+        return self._origin is not None and self._origin != self.id
 
     @property
     def settled(self) -> MarkerKind | None:
         """How the message was settled (ACK, DELAY or REJECT), or None while in progress."""
+        if self._settled is None and self._range is not None:
+            flag = self._range.flags[self._index]
+            if flag in (ACKED, SENT):
+                return MarkerKind.ACK
         return self._settled
 
     def header(self, name: str) -> bytes | None:
@@ -120,15 +163,16 @@ class KmqMessage:
         return None
 
     def __repr__(self) -> str:
+        settled = self.settled
         return (
             f"KmqMessage(id={self.id}, origin={self.origin}, attempt={self.attempt}, "
-            f"settled={self._settled.name if self._settled else None})"
+            f"settled={settled.name if settled else None})"
         )
 
     # -- verbs ----------------------------------------------------------------------------
 
     def _origin_field(self) -> MessageId | None:
-        return self.origin if self.origin != self.id else None
+        return self._origin if self._origin is not None and self._origin != self.id else None
 
     async def _write(self, marker: Marker, wait: bool) -> None:
         if wait:
@@ -139,14 +183,32 @@ class KmqMessage:
             self._sink.send_later(marker)
 
     def _settle(self, kind: MarkerKind) -> None:
-        if self._settled is not None:
+        settled = self.settled
+        if settled is not None:
             raise AlreadySettled(
-                f"message {self.id} was already settled with {self._settled.name}; "
-                f"cannot {kind.name} it"
+                f"message {self.id} was already settled with {settled.name}; cannot {kind.name} it"
             )
+
+    def _diverge(self) -> None:
+        """Keep this message out of its batch's RANGE_SETTLE (a v1 marker settles it)."""
+        if self._range is not None:
+            self._range.flags[self._index] = DIVERGED
 
     async def ack(self, *, wait: bool = False) -> None:
         """Processing succeeded: the message is done."""
+        opened = self._range
+        if opened is not None and self._book is not None and self._settled is None:
+            flags = opened.flags
+            if flags[self._index] == OPEN:  # the common case: one byte, no marker
+                flags[self._index] = ACKED
+                self._book.acked(opened)
+                if wait:
+                    try:
+                        await self._sink.send_all(self._book.take())
+                    except MarkerWriteFailed:
+                        opened.flags[self._index] = OPEN  # not settled: the caller may retry
+                        raise
+                return
         self._settle(MarkerKind.ACK)
         marker = Marker.ack(
             self.consumer_group, self.id, attempt=self.attempt, origin=self._origin_field()
@@ -172,6 +234,7 @@ class KmqMessage:
             delay_ms=delay_ms,
             reason=_truncate_utf8(reason),
         )
+        self._diverge()  # before the write: even a write that fails may reach the broker
         await self._write(marker, wait)
         self._settled = MarkerKind.DELAY
 
@@ -181,7 +244,7 @@ class KmqMessage:
         Like SQS ``ChangeMessageVisibility``, the new deadline counts from now (the marker's
         timestamp), not from the old deadline.
         """
-        if self._settled is not None:
+        if self.settled is not None:
             raise AlreadySettled(f"message {self.id} is already settled; cannot extend it")
         timeout_ms = _millis(by, "extension", minimum=1, maximum=MAX_TIMEOUT_MS)
         marker = Marker.extend(
@@ -203,6 +266,7 @@ class KmqMessage:
             origin=self._origin_field(),
             reason=_truncate_utf8(reason),
         )
+        self._diverge()  # before the write: even a write that fails may reach the broker
         await self._write(marker, wait)
         self._settled = MarkerKind.REJECT
 
@@ -220,10 +284,10 @@ class KmqMessage:
         try:
             yield self
         except Exception as exc:
-            if self._settled is None:
+            if self.settled is None:
                 await self.retry(retry_delay, reason=f"{type(exc).__name__}: {exc}")
             if not suppress:
                 raise
         else:
-            if self._settled is None:
+            if self.settled is None:
                 await self.ack()

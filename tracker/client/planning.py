@@ -19,7 +19,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -27,6 +27,9 @@ from tracker.errors import InvalidHeader
 from tracker.headers import KmqHeaders
 from tracker.ids import MessageId
 from tracker.protocol import Marker
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
+
+from .ranges import OPEN, OpenRange
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,10 @@ class SeenCopies:
         self._seen[key] = now + self._window
         return False
 
+    def forget(self, origin: MessageId, attempt: int) -> None:
+        """The copy was not taken after all (its batch is read again): not a duplicate then."""
+        self._seen.pop((origin, attempt), None)
+
     def __len__(self) -> int:
         return len(self._seen)
 
@@ -121,7 +128,8 @@ def plan_batch(
                 Planned(record, Action.SKIP, message, origin, attempt, None, "other group")
             )
             continue
-        if seen is not None and seen.check_and_add(origin, attempt):
+        # Only copies can be duplicates (a first delivery is its own origin, read once).
+        if seen is not None and named_origin is not None and seen.check_and_add(origin, attempt):
             planned.append(
                 Planned(record, Action.SKIP, message, origin, attempt, None, "duplicate copy")
             )
@@ -149,3 +157,74 @@ def plan_batch(
         )
         planned.append(Planned(record, Action.DELIVER, message, origin, attempt, marker))
     return planned
+
+
+@dataclass(slots=True)
+class RangePlan:
+    """One fetched partition batch planned for protocol v2.
+
+    ``ranges``: the batch's first deliveries as :class:`OpenRange`s (one per
+    ``MAX_RANGE_WIDTH`` offsets), whose RANGE_STARTs cover them; ``markers``: the v1 markers
+    of the rest (a START naming its origin for each copy, a deferred DELAY for each delayed
+    message not due yet); ``deliver``: ``(record, open range or None, index, origin or None,
+    attempt)`` per message to hand over, in fetch order.
+    """
+
+    ranges: list[OpenRange] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+    deliver: list[tuple[Any, OpenRange | None, int, MessageId | None, int]] = field(
+        default_factory=list
+    )
+    deferred: int = 0
+    skipped: int = 0
+
+
+def plan_ranges(
+    records: Sequence[Any],
+    *,
+    group: str,
+    consumer_id: str,
+    timeout_ms: int,
+    now: datetime,
+    seen: SeenCopies | None = None,
+) -> RangePlan:
+    """Plan one partition's fetched records (ascending offsets) for range markers.
+
+    A record without headers is a first delivery: it only sets one byte of its range. A
+    record with headers goes through :func:`plan_batch`'s rules; a first delivery among them
+    joins the range too, anything else keeps its v1 marker.
+    """
+    plan = RangePlan()
+    last_offset = records[-1].offset if records else 0
+    opened: OpenRange | None = None
+    for record in records:
+        offset = record.offset
+        if record.headers:
+            [planned] = plan_batch(
+                [record],
+                group=group,
+                consumer_id=consumer_id,
+                timeout_ms=timeout_ms,
+                now=now,
+                seen=seen,
+            )
+            if planned.action is Action.SKIP:
+                plan.skipped += 1
+                log.debug("skipped %s: %s", planned.message, planned.why)
+                continue
+            if planned.action is Action.DEFER:
+                plan.markers.append(planned.marker)  # type: ignore[arg-type]
+                plan.deferred += 1
+                continue
+            if planned.attempt != 1 or planned.origin != planned.message:
+                plan.markers.append(planned.marker)  # type: ignore[arg-type]
+                plan.deliver.append((record, None, 0, planned.origin, planned.attempt))
+                continue
+        if opened is None or offset - opened.first >= MAX_RANGE_WIDTH:
+            width = min(MAX_RANGE_WIDTH, last_offset - offset + 1)
+            opened = OpenRange(group, record.topic, record.partition, offset, width)
+            plan.ranges.append(opened)
+        index = offset - opened.first
+        opened.flags[index] = OPEN
+        plan.deliver.append((record, opened, index, None, 1))
+    return plan
