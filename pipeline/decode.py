@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from tracker import headers as h
 from tracker.errors import InvalidHeader
 from tracker.ids import MessageId
-from tracker.protocol import MarkerKind, decode_batch
+from tracker.protocol import MarkerKind, RangeMarker, decode_batch, expand_range
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -136,6 +136,40 @@ def _batch(columns: dict[str, Any], schema: pa.Schema) -> pa.RecordBatch:
 _NO_MARKER = (None,) * 15  # the width of tracker.protocol.Marker
 
 
+def _expand_ranges(
+    markers: list[Any],
+    partitions: Sequence[int],
+    offsets: Sequence[int],
+    timestamps_ms: Sequence[int],
+    errors: list[str | None],
+) -> tuple[list[Any], list[int], list[int], list[int], list[str | None]]:
+    """The decoded markers with each range marker replaced by its per-offset v1 markers."""
+    out: tuple[list[Any], list[int], list[int], list[int], list[str | None]] = (
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
+    rows, parts, offs, stamps, errs = out
+    for i, marker in enumerate(markers):
+        if type(marker) is RangeMarker:
+            singles = expand_range(marker)
+            n = len(singles)
+            rows += singles
+            parts += [partitions[i]] * n
+            offs += [offsets[i]] * n
+            stamps += [timestamps_ms[i]] * n
+            errs += [None] * n
+        else:
+            rows.append(marker)
+            parts.append(partitions[i])
+            offs.append(offsets[i])
+            stamps.append(timestamps_ms[i])
+            errs.append(errors[i])
+    return out
+
+
 def markers_batch(
     partitions: int | Sequence[int],
     offsets: Sequence[int],
@@ -152,6 +186,15 @@ def markers_batch(
         for index, why in decoded.errors:
             errors[index] = why
         markers = [m if m is not None else _NO_MARKER for m in decoded.markers]
+    if isinstance(partitions, int):
+        partitions = [partitions] * size
+    if any(type(m) is RangeMarker for m in decoded.markers):
+        # A range marker is one row per covered offset, as the v1 markers it stands for
+        # (same record position and timestamp): the ledger cannot tell the versions apart.
+        markers, partitions, offsets, timestamps_ms, errors = _expand_ranges(
+            list(markers), partitions, offsets, timestamps_ms, errors
+        )
+        size = len(errors)
     columns = list(zip(*markers, strict=True)) if size else [()] * 15
     (
         kinds,
@@ -170,8 +213,6 @@ def markers_batch(
         reasons,
         deferred,
     ) = columns
-    if isinstance(partitions, int):
-        partitions = [partitions] * size
     return _batch(
         {
             "markers_partition": partitions,

@@ -60,6 +60,7 @@ __all__ = [
     "decode_marker",
     "encode_any",
     "encode_marker",
+    "expand_range",
     "py_decode_marker",
 ]
 
@@ -573,6 +574,44 @@ def py_decode_marker(value: bytes | bytearray | memoryview | None) -> Marker:  #
 AnyMarker = Marker | RangeMarker
 
 
+_RANGE_AS_KIND = {1: MarkerKind.START, 2: MarkerKind.ACK, 4: MarkerKind.EXTEND}
+
+
+def expand_range(marker: RangeMarker) -> list[Marker]:
+    """The v1 markers a range marker stands for, one per covered offset, in offset order.
+
+    docs/protocol.md ("Version 2", semantics): a RANGE_START is a START of attempt 1 with its
+    lease and consumer for each covered offset, a RANGE_SETTLE an ACK, a RANGE_EXTEND an
+    EXTEND. Readers that work per message (the Spark ledger) see range traffic this way.
+    """
+    kind = _RANGE_AS_KIND[marker.kind]
+    group, topic, partition = marker.group, marker.topic, marker.partition
+    timeout, consumer = marker.timeout_ms, marker.consumer
+    return [
+        _new_marker(
+            Marker,
+            (
+                kind,
+                group,
+                topic,
+                partition,
+                offset,
+                1,
+                topic,
+                partition,
+                offset,
+                timeout,
+                0,
+                False,
+                consumer,
+                "",
+                False,
+            ),
+        )
+        for offset in marker.offsets()
+    ]
+
+
 def py_decode_any(value: bytes | bytearray | memoryview | None) -> AnyMarker:
     """Parse one marker record value of either version (the version byte says which)."""
     if type(value) is bytes and value[:1] == b"\x02":
@@ -652,8 +691,9 @@ def _decode_v2_refused_by_c(
 ) -> list[tuple[int, str]]:
     """Decode in Python the v2 records a v1-only C decoder refused (``markers`` in place)."""
     left: list[tuple[int, str]] = []
-    for index, why in errors:
+    for index, refused in errors:
         value = values[index]
+        why = refused
         if isinstance(value, bytes | bytearray | memoryview) and bytes(value[:1]) == b"\x02":
             try:
                 markers[index] = py_decode_range_marker(bytes(value))

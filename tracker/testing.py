@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Sequence
 
 from tracker.errors import MarkerWriteFailed
-from tracker.protocol import AnyMarker, decode_marker, encode_any
+from tracker.protocol import AnyMarker, Marker, decode_marker, encode_any
 
 
 def _done() -> asyncio.Future[None]:
@@ -25,6 +25,11 @@ class InMemoryMarkerSink:
     def __init__(self) -> None:
         self.markers: list[AnyMarker] = []
         self.fail = False
+
+    @property
+    def v1(self) -> list[Marker]:
+        """The per-message (v1) markers written so far, in order; range markers left out."""
+        return [marker for marker in self.markers if isinstance(marker, Marker)]
 
     async def send(self, marker: AnyMarker) -> Awaitable[None]:
         if self.fail:

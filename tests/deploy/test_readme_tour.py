@@ -25,10 +25,12 @@ from typing import Any
 import pytest
 from integration.engine_support import FAST_GROUP, TopicWatcher, eventually, tracker_settings
 
+from tracker.client import KmqProducer
 from tracker.engine.entries import State
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
-from tracker.protocol import Marker, MarkerKind, decode_marker
+from tracker.protocol import AnyMarker, Marker, MarkerKind, decode_marker
+from tracker.protocol_v2 import RangeKind, RangeMarker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,8 +42,9 @@ NOW, LATER = b'{"id": 1}', b'{"id": 2}'
 THREE_HOURS_MS = 3 * 3600 * 1000
 
 
-def readme_python_block(heading: str) -> str:
-    """The first ```python block of the README section ``heading``, at its README line numbers.
+def readme_python_block(heading: str, index: int = 0) -> str:
+    """The ``index``-th ```python block of the README section ``heading``, at its README line
+    numbers.
 
     (Padded with empty lines, so a traceback from the block points at the README's line.)
     """
@@ -49,8 +52,9 @@ def readme_python_block(heading: str) -> str:
     start = text.find(f"\n{heading}\n")
     assert start >= 0, f"README.md has no {heading!r} section"
     section = re.split(r"\n## ", text[start + len(heading) + 2 :], maxsplit=1)[0]
-    block = re.search(r"^```python\n(.*?)^```$", section, re.M | re.S)
-    assert block is not None, f"README.md section {heading!r} has no ```python block"
+    blocks = list(re.finditer(r"^```python\n(.*?)^```$", section, re.M | re.S))
+    assert len(blocks) > index, f"README.md section {heading!r} lacks ```python block {index}"
+    block = blocks[index]
     lines_before = text[: start + len(heading) + 2 + block.start(1)].count("\n")
     return "\n" * lines_before + block.group(1)
 
@@ -111,9 +115,16 @@ async def test_readme_client_tour_runs(
             (r,) = [r for r in seen.on(topic) if r.value == value]
             return MessageId(r.topic, r.partition, r.offset)
 
-        def markers_of(value: bytes) -> list[Marker]:
+        def markers_of(value: bytes) -> list[AnyMarker]:
+            """The markers about the message: v1 ones naming it, v2 ranges covering it."""
+            about = record(value)
             decoded = [decode_marker(r.value) for r in seen.on(markers)]
-            return [m for m in decoded if isinstance(m, Marker) and m.origin == record(value)]
+            return [
+                m
+                for m in decoded
+                if (isinstance(m, Marker) and m.origin == about)
+                or (isinstance(m, RangeMarker) and about in set(m.messages()))
+            ]
 
         async def delayed_is_tracked() -> bool:
             entries = await tracker.store.list_entries(group=group)
@@ -131,17 +142,19 @@ async def test_readme_client_tour_runs(
             await task
         gc.collect()  # a client the cancelled tour left open would warn now and fail this test
 
-        # Closing flushed the ACK that `processing()` queued after `handle` returned.
-        await seen.wait_for(lambda _: len(markers_of(NOW)) == 3, what="START, EXTEND, ACK")
+        # Closing flushed the ack that `processing()` made after `handle` returned: the batch's
+        # RANGE_START, the message's own EXTEND, the batch's RANGE_SETTLE (protocol v2).
+        await seen.wait_for(lambda _: len(markers_of(NOW)) == 3, what="START, EXTEND, SETTLE")
         start, extend, ack = markers_of(NOW)
-        assert (start.kind, start.timeout_ms) == (MarkerKind.START, 30_000)  # the lease
+        assert (start.kind, start.timeout_ms) == (RangeKind.RANGE_START, 30_000)  # the lease
         assert (extend.kind, extend.timeout_ms) == (MarkerKind.EXTEND, 300_000)  # renewed
-        assert ack.kind is MarkerKind.ACK
+        assert ack.kind is RangeKind.RANGE_SETTLE
         (defer,) = markers_of(LATER)
+        assert isinstance(defer, Marker)
         assert defer.kind is MarkerKind.DELAY
         assert defer.deferred
 
-        # Once the tracker has applied the ACK, it tracks only the delayed message, due in 3 h.
+        # Once the tracker has applied the SETTLE, it tracks only the delayed one, due in 3 h.
         ack_at = next(r for r in seen.on(markers) if decode_marker(r.value) == ack)
 
         async def ack_applied() -> bool:
@@ -157,3 +170,46 @@ async def test_readme_client_tour_runs(
         assert 0 <= entry.due_at_ms - produced_ms - THREE_HOURS_MS < 60_000
 
     assert handled == [NOW]  # the delayed message was never handed over
+
+
+async def test_readme_batch_form_runs(kafka_bootstrap: str, topic_factory: TopicFactory) -> None:
+    """The README's batch form: every message handled, then settled by ranges only."""
+    topic = await topic_factory(partitions=3, prefix="orders")
+    markers = await topic_factory(partitions=4, prefix="markers")
+    source = substitute(
+        readme_python_block(SECTION, 1),
+        {
+            '"localhost:9092"': kafka_bootstrap,
+            '"orders"': topic,
+            '"billing"': f"billing-{topic}",
+        },
+    ).replace("bootstrap_servers=", f"markers_topic={markers!r}, bootstrap_servers=")
+    handled: list[bytes] = []
+
+    async def handle_all(values: list[bytes]) -> None:  # the reader's application function
+        handled.extend(values)
+
+    namespace: dict[str, Any] = {"__name__": "readme_batches", "handle_all": handle_all}
+    exec(compile(source, str(README), "exec"), namespace)  # noqa: S102
+    async with KmqProducer(kafka_bootstrap) as producer:
+        for i in range(20):
+            await producer.send(topic, f"job-{i}".encode())
+    async with (
+        TopicWatcher(kafka_bootstrap, markers) as seen,
+        running(namespace["main"]()) as task,
+    ):
+        await eventually(lambda: len(handled) == 20 or task.done(), within=60, what="20 handled")
+        assert not task.done(), f"main() ended on its own: {task.exception()!r}"
+
+        def settled() -> set[tuple[int, int]]:
+            return {
+                (m.partition, offset)
+                for m in (decode_marker(r.value) for r in seen.on(markers))
+                if isinstance(m, RangeMarker) and m.kind is RangeKind.RANGE_SETTLE
+                for offset in m.offsets()
+            }
+
+        await seen.wait_for(lambda _: len(settled()) == 20, what="20 offsets settled")
+        decoded = [decode_marker(r.value) for r in seen.on(markers)]
+        assert all(isinstance(m, RangeMarker) for m in decoded), "only range markers"
+    assert sorted(handled) == sorted(f"job-{i}".encode() for i in range(20))

@@ -94,17 +94,21 @@ class Worker:
         should_ack: Callable[[KmqMessage], bool],
         *,
         processing_timeout: timedelta | None = None,
+        marker_version: int = 2,
     ) -> None:
         self._args = (bootstrap, topic, group, markers)
         self._should_ack = should_ack
         self._timeout = processing_timeout
+        self.marker_version = marker_version
         self.received: list[Reception] = []
         self._task: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._joined = asyncio.Event()
 
     async def _run(self) -> None:
-        async with consumer(*self._args, processing_timeout=self._timeout) as c:
+        async with consumer(
+            *self._args, processing_timeout=self._timeout, marker_version=self.marker_version
+        ) as c:
             self._joined.set()
             while not self._stop.is_set():
                 for message in await c.getmany(timedelta(milliseconds=200)):

@@ -163,7 +163,7 @@ async def test_each_verb_writes_its_marker_with_identity() -> None:
             await msg.retry(timedelta(seconds=30), reason="db down")
         else:
             await msg.reject("bad payload")
-    kinds = [m.kind for m in sink.markers]
+    kinds = [m.kind for m in sink.v1]
     assert kinds == [
         MarkerKind.EXTEND,
         MarkerKind.ACK,
@@ -172,20 +172,20 @@ async def test_each_verb_writes_its_marker_with_identity() -> None:
         MarkerKind.EXTEND,
         MarkerKind.REJECT,
     ]
-    for marker in sink.markers:
+    for marker in sink.v1:
         assert marker.origin == MessageId("orders", 3, 1)
         assert marker.message == MessageId("orders", 0, 7)
         assert marker.attempt == 2
         assert marker.group == "billing"
-    assert sink.markers[0].timeout_ms == 90_000
-    assert (sink.markers[3].delay_ms, sink.markers[3].reason) == (30_000, "db down")
-    assert sink.markers[5].reason == "bad payload"
+    assert sink.v1[0].timeout_ms == 90_000
+    assert (sink.v1[3].delay_ms, sink.v1[3].reason) == (30_000, "db down")
+    assert sink.v1[5].reason == "bad payload"
 
 
 async def test_retry_without_delay_leaves_it_to_the_policy() -> None:
     sink = InMemoryMarkerSink()
     await _message(sink).retry()
-    assert sink.markers[0].policy_delay
+    assert sink.v1[0].policy_delay
 
 
 async def test_a_message_settles_once() -> None:
@@ -196,7 +196,7 @@ async def test_a_message_settles_once() -> None:
         await msg.reject("late")
     with pytest.raises(AlreadySettled):
         await msg.extend(timedelta(seconds=1))
-    assert len(sink.markers) == 1
+    assert len(sink.v1) == 1
 
 
 async def test_a_failed_marker_write_leaves_the_message_unsettled() -> None:
@@ -209,7 +209,7 @@ async def test_a_failed_marker_write_leaves_the_message_unsettled() -> None:
     sink.fail = False
     await msg.ack(wait=True)
     assert msg.settled is MarkerKind.ACK
-    assert [m.kind for m in sink.markers] == [MarkerKind.ACK]
+    assert [m.kind for m in sink.v1] == [MarkerKind.ACK]
 
 
 async def test_markers_nobody_waits_for_settle_at_once_in_order() -> None:
@@ -219,7 +219,7 @@ async def test_markers_nobody_waits_for_settle_at_once_in_order() -> None:
     await second.retry(timedelta(seconds=5), reason="busy")
     assert first.settled is MarkerKind.ACK
     assert second.settled is MarkerKind.DELAY
-    assert [m.kind for m in sink.markers] == [MarkerKind.ACK, MarkerKind.DELAY]
+    assert [m.kind for m in sink.v1] == [MarkerKind.ACK, MarkerKind.DELAY]
 
 
 @pytest.mark.parametrize(
@@ -236,7 +236,7 @@ async def test_bad_durations_are_refused(call, error) -> None:  # type: ignore[n
     msg = _message(sink)
     with pytest.raises(InvalidDelay, match=error):
         await call(msg)
-    assert sink.markers == []
+    assert sink.v1 == []
     assert msg.settled is None
 
 
@@ -255,21 +255,21 @@ async def test_processing_acks_on_success_and_retries_on_error() -> None:
     rejected = _message(sink)
     async with rejected.processing():
         await rejected.reject("nope")
-    assert [m.kind for m in sink.markers] == [
+    assert [m.kind for m in sink.v1] == [
         MarkerKind.ACK,
         MarkerKind.DELAY,
         MarkerKind.DELAY,
         MarkerKind.REJECT,
     ]
-    assert sink.markers[1].reason == "ValueError: boom"
-    assert sink.markers[1].policy_delay
-    assert sink.markers[2].delay_ms == 5000
+    assert sink.v1[1].reason == "ValueError: boom"
+    assert sink.v1[1].policy_delay
+    assert sink.v1[2].delay_ms == 5000
 
 
 async def test_long_reasons_are_truncated_on_a_character_boundary() -> None:
     sink = InMemoryMarkerSink()
     await _message(sink).reject("é" * 5000)
-    reason = sink.markers[0].reason
+    reason = sink.v1[0].reason
     assert len(reason.encode()) <= 4096
     assert set(reason) == {"é"}
 
