@@ -19,7 +19,8 @@ from pipeline.offsets import Bound, OffsetRange, OffsetsError, split_ranges
 from pipeline.redrive import REDRIVE_RUN, REDRIVE_SOURCE, _Bucket, redrive_headers
 from pipeline.report import choose_bucket
 from tracker.ids import MessageId
-from tracker.protocol import Marker, encode_marker
+from tracker.protocol import Marker, encode_any, encode_marker
+from tracker.protocol_v2 import RangeMarker
 
 from .workload import dlq_headers
 
@@ -75,17 +76,51 @@ def test_durations_and_times_on_the_command_line() -> None:
 def test_markers_batch_keeps_refused_values_as_rows_with_the_error() -> None:
     schema = arrow_schema(spark_schema("markers"))
     good = encode_marker(Marker.start("g", MessageId("orders", 1, 7), timeout_ms=500))
-    batch = markers_batch(4, [10, 11, 12], [1000, 2000, 3000], [good, b"\x02", None], schema)
+    batch = markers_batch(4, [10, 11, 12], [1000, 2000, 3000], [good, b"\x09", None], schema)
     rows = batch.to_pylist()
     assert [r["markers_offset"] for r in rows] == [10, 11, 12]
     assert [r["markers_partition"] for r in rows] == [4, 4, 4]
     assert (rows[0]["kind"], rows[0]["offset"], rows[0]["timeout_ms"]) == ("START", 7, 500)
     assert rows[0]["error"] is None
     assert rows[1]["kind"] is None
-    assert rows[1]["error"] == "unsupported marker version 2"
+    assert rows[1]["error"] == "unsupported marker version 9"
     assert "tombstone" in rows[2]["error"]
     assert rows[2]["timestamp"] == datetime(1970, 1, 1, 0, 0, 3, tzinfo=UTC)
     assert markers_batch(0, [], [], [], schema).num_rows == 0
+
+
+def test_a_range_marker_decodes_to_the_rows_of_its_v1_markers() -> None:
+    """A ledger built from v2 traffic equals the one built from the same traffic in v1: a
+    RANGE_START/SETTLE/EXTEND is one row per covered offset, as the v1 START/ACK/EXTEND."""
+    schema = arrow_schema(spark_schema("markers"))
+    ranges = [
+        RangeMarker.start(
+            "g", "orders", 1, 100, 104, exceptions=0b00100, timeout_ms=500, consumer="c"
+        ),
+        RangeMarker.extend("g", "orders", 1, 100, 101, timeout_ms=9_000),
+        RangeMarker.settle("g", "orders", 1, 100, 104, exceptions=0b10100),
+    ]
+    singles = [
+        Marker.start("g", MessageId("orders", 1, o), timeout_ms=500, consumer="c")
+        for o in (100, 101, 103, 104)
+    ]
+    singles += [Marker.extend("g", MessageId("orders", 1, o), timeout_ms=9_000) for o in (100, 101)]
+    singles += [Marker.ack("g", MessageId("orders", 1, o)) for o in (100, 101, 103)]
+    v2 = markers_batch(4, [10, 11, 12], [1000, 2000, 3000], [encode_any(m) for m in ranges], schema)
+    positions = [10] * 4 + [11] * 2 + [12] * 3
+    stamps = [1000] * 4 + [2000] * 2 + [3000] * 3
+    v1 = markers_batch(4, positions, stamps, [encode_marker(m) for m in singles], schema)
+    assert v2.to_pylist() == v1.to_pylist()
+    mixed = markers_batch(
+        2,
+        [0, 1, 2],
+        [5, 6, 7],
+        [encode_any(ranges[2]), b"\x02\x00", encode_marker(singles[0])],
+        schema,
+    ).to_pylist()
+    assert [r["markers_offset"] for r in mixed] == [0, 0, 0, 1, 2]
+    assert mixed[3]["kind"] is None
+    assert "too short" in mixed[3]["error"]
 
 
 def test_dead_letter_headers_are_parsed_leniently() -> None:
