@@ -1,12 +1,13 @@
 /*
- * Optional C decoder for the kmq marker protocol v1 (see docs/protocol.md).
+ * Optional C decoder for the kmq marker protocol, versions 1 and 2 (see docs/protocol.md).
  *
- * It implements exactly the rules of tracker/protocol.py's pure-Python decode_marker and
- * builds the same Marker named tuples; tests/unit/test_protocol.py checks the two agree on
- * valid, corrupted and random input. When this module is not built, the pure-Python decoder
- * is used; nothing else changes.
+ * It implements exactly the rules of the pure-Python decoders (tracker/protocol.py for v1,
+ * tracker/protocol_v2.py for v2 range markers), with the same error messages, and builds the
+ * same Marker / RangeMarker named tuples; tests/unit/test_protocol.py and
+ * tests/unit/test_protocol_v2.py check that they agree on valid, corrupted and random input.
+ * When this module is not built, the pure-Python decoders are used; nothing else changes.
  *
- * configure(marker_cls, kinds, error_cls) must be called once before decode().
+ * configure(marker_cls, kinds, error_cls, range_cls, range_kinds) must be called once first.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,6 +29,11 @@
 
 static PyTypeObject *marker_type = NULL;
 static PyObject *kinds = NULL; /* tuple indexed by the kind byte */
+static PyTypeObject *range_type = NULL;
+static PyObject *range_kinds = NULL; /* tuple indexed by the v2 kind byte (None: no kind) */
+#define V2_HEAD_SIZE 25
+#define MAX_RANGE_WIDTH 65536ULL
+#define N_RANGE_FIELDS 9
 static PyObject *error_cls = NULL;
 static PyObject *empty_str = NULL;
 
@@ -127,6 +133,151 @@ static PyObject *text_str(cache_t *cache, const unsigned char *p, Py_ssize_t len
     return value;
 }
 
+/* Version 2: a range marker (tracker/protocol_v2.py, py_decode_range_marker). */
+static PyObject *decode_v2(const unsigned char *v, Py_ssize_t size) {
+    if (size < V2_HEAD_SIZE) return fail("marker of %zd bytes is too short", size);
+    int kind = v[1], flags = v[2];
+    int32_t partition = (int32_t)rd32(v + 3);
+    int64_t first = (int64_t)rd64(v + 7);
+    int64_t last = (int64_t)rd64(v + 15);
+    Py_ssize_t topic_len = rd16(v + 23);
+    if (kind >= PyTuple_GET_SIZE(range_kinds) || PyTuple_GET_ITEM(range_kinds, kind) == Py_None)
+        return fail("unknown range marker kind %d", kind);
+    if (flags & ~3) return fail("unknown flag bits 0x%02x", flags);
+    if (flags == 3) return fail("exceptions cannot be both a bitmap and runs");
+    if (partition < 0 || first < 0 || last < 0)
+        return fail("partition and offsets must not be negative");
+    if (last < first)
+        return fail("last offset %lld is before first offset %lld", (long long)last, (long long)first);
+    uint64_t width = (uint64_t)last - (uint64_t)first + 1;
+    if (width > MAX_RANGE_WIDTH)
+        return fail("a range of %llu offsets is wider than %llu", (unsigned long long)width,
+                    MAX_RANGE_WIDTH);
+    if (topic_len == 0 || topic_len > MAX_TOPIC)
+        return fail("topic length %zd is out of range", topic_len);
+
+    PyObject *f[N_RANGE_FIELDS] = {NULL};
+    unsigned char *bits = NULL;
+    Py_ssize_t pos = V2_HEAD_SIZE + topic_len;
+    if (pos + 2 > size) return fail("marker truncated in the topic");
+    f[2] = topic_str(&topic_cache[0], v + V2_HEAD_SIZE, topic_len);
+    if (f[2] == NULL) goto error;
+    Py_ssize_t group_len = rd16(v + pos);
+    Py_ssize_t end = pos + 2 + group_len;
+    if (end > size || group_len == 0 || group_len > MAX_GROUP) {
+        fail("group is empty, too long or truncated");
+        goto error;
+    }
+    f[1] = text_str(&group_cache, v + pos + 2, group_len, "group");
+    if (f[1] == NULL) goto error;
+    pos = end;
+
+    uint32_t timeout_ms = 0;
+    if (kind == 1) { /* RANGE_START */
+        if (pos + 6 > size) { fail("RANGE_START marker truncated"); goto error; }
+        timeout_ms = rd32(v + pos);
+        Py_ssize_t n = rd16(v + pos + 4);
+        end = pos + 6 + n;
+        if (n > MAX_CONSUMER || end > size) { fail("consumer id too long or truncated"); goto error; }
+        f[8] = text_str(&consumer_cache, v + pos + 6, n, "consumer");
+        if (f[8] == NULL) goto error;
+        pos = end;
+    } else if (kind == 4) { /* RANGE_EXTEND */
+        if (pos + 4 > size) { fail("RANGE_EXTEND marker truncated"); goto error; }
+        timeout_ms = rd32(v + pos);
+        if (timeout_ms == 0) { fail("RANGE_EXTEND must ask for a positive timeout"); goto error; }
+        pos += 4;
+    }
+
+    Py_ssize_t nbytes = (Py_ssize_t)((width + 7) / 8);
+    uint64_t set_count = 0;
+    if (flags & 1) { /* bitmap */
+        if (pos + 4 > size) { fail("exceptions bitmap truncated"); goto error; }
+        uint32_t length = rd32(v + pos);
+        if ((Py_ssize_t)length != nbytes) {
+            fail("exceptions bitmap of %u bytes for a range of %llu offsets (must be %zd)",
+                 (unsigned)length, (unsigned long long)width, nbytes);
+            goto error;
+        }
+        pos += 4;
+        if (pos + nbytes > size) { fail("exceptions bitmap truncated"); goto error; }
+        const unsigned char *b = v + pos;
+        unsigned tail_bits = (unsigned)(width % 8);
+        if (tail_bits && (b[nbytes - 1] >> tail_bits)) {
+            fail("exceptions bitmap has bits set beyond the range");
+            goto error;
+        }
+        for (Py_ssize_t i = 0; i < nbytes; i++) set_count += (uint64_t)__builtin_popcount(b[i]);
+        if (set_count == 0) {
+            fail("exceptions bitmap is empty (leave the flag unset instead)");
+            goto error;
+        }
+        f[6] = _PyLong_FromByteArray(b, (size_t)nbytes, 1, 0);
+        if (f[6] == NULL) goto error;
+        pos += nbytes;
+    } else if (flags & 2) { /* runs */
+        if (pos + 2 > size) { fail("exceptions runs truncated"); goto error; }
+        Py_ssize_t count = rd16(v + pos);
+        pos += 2;
+        if (count == 0) {
+            fail("exceptions runs are empty (leave the flag unset instead)");
+            goto error;
+        }
+        if (pos + 8 * count > size) { fail("exceptions runs truncated"); goto error; }
+        bits = (unsigned char *)PyMem_Calloc((size_t)nbytes, 1);
+        if (bits == NULL) { PyErr_NoMemory(); goto error; }
+        int64_t previous_end = -1;
+        for (Py_ssize_t r = 0; r < count; r++) {
+            uint64_t start = rd32(v + pos), length = rd32(v + pos + 4);
+            pos += 8;
+            if (length == 0) { fail("an exceptions run has length 0"); goto error; }
+            if ((int64_t)start <= previous_end) {
+                fail("exceptions runs overlap, touch or are out of order");
+                goto error;
+            }
+            if (start + length > width) { fail("an exceptions run reaches beyond the range"); goto error; }
+            for (uint64_t i = start; i < start + length; i++) bits[i >> 3] |= (unsigned char)(1u << (i & 7));
+            set_count += length;
+            previous_end = (int64_t)(start + length);
+        }
+        f[6] = _PyLong_FromByteArray(bits, (size_t)nbytes, 1, 0);
+        if (f[6] == NULL) goto error;
+    }
+    if (set_count == width) {
+        fail("the exceptions cover the whole range: the marker covers no offset");
+        goto error;
+    }
+    if (pos != size) {
+        fail("%zd unexpected trailing bytes", size - pos);
+        goto error;
+    }
+    f[0] = PyTuple_GET_ITEM(range_kinds, kind);
+    Py_INCREF(f[0]);
+    f[3] = PyLong_FromLong(partition);
+    f[4] = PyLong_FromLongLong(first);
+    f[5] = PyLong_FromLongLong(last);
+    if (f[6] == NULL) f[6] = PyLong_FromLong(0);
+    f[7] = PyLong_FromUnsignedLong(timeout_ms);
+    if (f[8] == NULL) { Py_INCREF(empty_str); f[8] = empty_str; }
+    for (int i = 0; i < N_RANGE_FIELDS; i++) {
+        if (f[i] == NULL) goto error;
+    }
+    PyMem_Free(bits);
+    PyObject *marker = range_type->tp_alloc(range_type, N_RANGE_FIELDS);
+    if (marker == NULL) {
+        for (int i = 0; i < N_RANGE_FIELDS; i++) Py_DECREF(f[i]);
+        return NULL;
+    }
+    for (int i = 0; i < N_RANGE_FIELDS; i++) PyTuple_SET_ITEM(marker, i, f[i]);
+    PyObject_GC_UnTrack(marker);
+    return marker;
+
+error:
+    PyMem_Free(bits);
+    for (int i = 0; i < N_RANGE_FIELDS; i++) Py_XDECREF(f[i]);
+    return NULL;
+}
+
 static PyObject *decode(PyObject *module, PyObject *arg) {
     (void)module;
     if (marker_type == NULL) {
@@ -138,6 +289,7 @@ static PyObject *decode(PyObject *module, PyObject *arg) {
     }
     const unsigned char *v = (const unsigned char *)PyBytes_AS_STRING(arg);
     Py_ssize_t size = PyBytes_GET_SIZE(arg);
+    if (size && v[0] == 2 && range_type != NULL) return decode_v2(v, size);
     if (size < HEAD_SIZE + 3) {
         if (size && v[0] != 1) return fail("unsupported marker version %d", (int)v[0]);
         return fail("marker of %zd bytes is too short", size);
@@ -365,9 +517,20 @@ failed:
 
 static PyObject *configure(PyObject *module, PyObject *args) {
     (void)module;
-    PyObject *cls, *kinds_arg, *err;
-    if (!PyArg_ParseTuple(args, "O!O!O", &PyType_Type, &cls, &PyTuple_Type, &kinds_arg, &err)) {
+    PyObject *cls, *kinds_arg, *err, *rcls = NULL, *rkinds = NULL;
+    if (!PyArg_ParseTuple(args, "O!O!O|O!O!", &PyType_Type, &cls, &PyTuple_Type, &kinds_arg, &err,
+                          &PyType_Type, &rcls, &PyTuple_Type, &rkinds)) {
         return NULL;
+    }
+    if (rcls != NULL) {
+        if (rkinds == NULL || !PyType_IsSubtype((PyTypeObject *)rcls, &PyTuple_Type)) {
+            PyErr_SetString(PyExc_TypeError, "configure(..., range tuple subclass, range kinds)");
+            return NULL;
+        }
+        Py_INCREF(rcls);
+        Py_INCREF(rkinds);
+        Py_XSETREF(range_type, (PyTypeObject *)rcls);
+        Py_XSETREF(range_kinds, rkinds);
     }
     if (!PyType_IsSubtype((PyTypeObject *)cls, &PyTuple_Type) || PyTuple_GET_SIZE(kinds_arg) != 6) {
         PyErr_SetString(PyExc_TypeError, "configure(tuple subclass, 6-tuple of kinds, error class)");
@@ -383,10 +546,11 @@ static PyObject *configure(PyObject *module, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"decode", decode, METH_O, "Decode one v1 marker value (see tracker.protocol.decode_marker)."},
+    {"decode", decode, METH_O, "Decode one marker value (see tracker.protocol.decode_marker)."},
     {"decode_many", decode_many, METH_O,
      "decode_many(values) -> (markers, [(index, message), ...]) (see tracker.protocol.decode_batch)."},
-    {"configure", configure, METH_VARARGS, "configure(marker_cls, kinds, error_cls)"},
+    {"configure", configure, METH_VARARGS,
+     "configure(marker_cls, kinds, error_cls, range_cls, range_kinds)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -38,7 +38,7 @@ from tracker.protocol_limits import (
     MAX_REASON_LENGTH,
     MAX_TIMEOUT_MS,
 )
-from tracker.protocol_v2 import RangeMarker, encode_range_marker, py_decode_range_marker
+from tracker.protocol_v2 import RangeKind, RangeMarker, encode_range_marker, py_decode_range_marker
 
 VERSION = 1
 
@@ -621,6 +621,10 @@ def py_decode_any(value: bytes | bytearray | memoryview | None) -> AnyMarker:
     return py_decode_marker(value)
 
 
+#: RangeKind members indexed by the v2 kind byte (None: not a kind), for the C decoder.
+_RANGE_KINDS = (None, RangeKind.RANGE_START, RangeKind.RANGE_SETTLE, None, RangeKind.RANGE_EXTEND)
+
+
 def _c_decoder() -> Any:
     """The C decoder module, unless it was not built or ``KMQ_PURE_PYTHON`` is set."""
     if os.environ.get("KMQ_PURE_PYTHON"):
@@ -629,7 +633,7 @@ def _c_decoder() -> Any:
         from tracker import _speedups  # type: ignore[attr-defined]  # noqa: PLC0415
     except ImportError:
         return None
-    _speedups.configure(Marker, _KINDS, MarkerError)
+    _speedups.configure(Marker, _KINDS, MarkerError, RangeMarker, _RANGE_KINDS)
     return _speedups
 
 
@@ -637,7 +641,9 @@ _speedups_module = _c_decoder()
 _c_decode: Callable[[bytes], AnyMarker] | None = (
     None if _speedups_module is None else _speedups_module.decode
 )
-_c_decode_many: Callable[[list[bytes | None]], tuple[list[AnyMarker | None], list[tuple[int, str]]]]
+_c_decode_many: Callable[
+    [list[bytes | None]], tuple[list[AnyMarker | None], list[tuple[int, str]]]
+]
 _c_decode_many = None if _speedups_module is None else _speedups_module.decode_many  # type: ignore[assignment]
 #: Whether the C decoder is in use.
 SPEEDUPS = _c_decode is not None
@@ -648,8 +654,6 @@ def decode_marker(value: bytes | bytearray | memoryview | None) -> AnyMarker:
     if _c_decode is not None:
         if type(value) is not bytes and isinstance(value, bytearray | memoryview):
             value = bytes(value)
-        if type(value) is bytes and value[:1] == b"\x02":
-            return py_decode_range_marker(value)
         return _c_decode(value)  # type: ignore[arg-type]
     return py_decode_any(value)
 
@@ -670,10 +674,7 @@ class DecodedBatch(NamedTuple):
 def decode_batch(values: Iterable[bytes | None]) -> DecodedBatch:
     """Decode many marker values; a malformed one is reported, never raised, never fatal."""
     if _c_decode_many is not None:
-        listed = values if isinstance(values, list) else list(values)
-        markers, errors = _c_decode_many(listed)
-        if errors:
-            errors = _decode_v2_refused_by_c(listed, markers, errors)
+        markers, errors = _c_decode_many(values if isinstance(values, list) else list(values))
         return DecodedBatch(markers, errors)
     out: list[AnyMarker | None] = []
     refused: list[tuple[int, str]] = []
@@ -684,21 +685,3 @@ def decode_batch(values: Iterable[bytes | None]) -> DecodedBatch:
             refused.append((len(out), str(exc)))
             out.append(None)
     return DecodedBatch(out, refused)
-
-
-def _decode_v2_refused_by_c(
-    values: list[bytes | None], markers: list[AnyMarker | None], errors: list[tuple[int, str]]
-) -> list[tuple[int, str]]:
-    """Decode in Python the v2 records a v1-only C decoder refused (``markers`` in place)."""
-    left: list[tuple[int, str]] = []
-    for index, refused in errors:
-        value = values[index]
-        why = refused
-        if isinstance(value, bytes | bytearray | memoryview) and bytes(value[:1]) == b"\x02":
-            try:
-                markers[index] = py_decode_range_marker(bytes(value))
-                continue
-            except MarkerError as exc:
-                why = str(exc)
-        left.append((index, why))
-    return left

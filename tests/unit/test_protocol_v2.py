@@ -253,3 +253,22 @@ def test_documented_v2_vectors_match_the_code(decode: Decoder, name: str) -> Non
     value = bytes.fromhex(documented[name])
     assert encode_any(VECTORS[name]) == value
     assert decode(value) == VECTORS[name]
+
+
+@given(st.binary(max_size=120))
+@settings(max_examples=1000)
+def test_both_decoders_agree_on_random_bytes_after_the_v2_byte(data: bytes) -> None:
+    value = b"\x02" + data
+    assert _outcome(decode_marker, value) == _outcome(py_decode_any, value)
+
+
+@given(st.binary(min_size=1, max_size=60), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]))
+@settings(max_examples=1000)
+def test_both_decoders_agree_on_random_exceptions(tail: bytes, kind: int, flags: int) -> None:
+    head = HEAD.pack(2, kind, flags, 0, 0, 40, 6) + b"orders\x00\x01g"
+    if kind == 1:
+        head += b"\x00\x00\x00\x00\x00\x00"
+    elif kind == 4:
+        head += b"\x00\x00\x00\x01"
+    value = head + tail
+    assert _outcome(decode_marker, value) == _outcome(py_decode_any, value)
