@@ -127,7 +127,17 @@ async def plain_throughput(
     return {"rate": counted / elapsed, "seconds": elapsed, "cpu_us_per_msg": cpu / counted * 1e6}
 
 
-async def kmq_throughput(bootstrap: str, topic: str, markers: str, total: int) -> dict[str, float]:
+#: The kmq client's forms, as an application would write them:
+#: * ``v2-batch``: range markers, ``getmany()`` then ``ack_all()`` (whole batches);
+#: * ``v2-message``: range markers, ``async for message in consumer`` + ``await message.ack()``
+#:   (the README's form);
+#: * ``v1-message``: protocol v1 (one START and one ACK record per message), per message.
+KMQ_FORMS = ("v2-batch", "v2-message", "v1-message")
+
+
+async def kmq_throughput(
+    bootstrap: str, topic: str, markers: str, total: int, form: str = "v2-message"
+) -> dict[str, float]:
     consumer = KmqConsumer(
         topic,
         group_id=unique("kmq"),
@@ -136,11 +146,22 @@ async def kmq_throughput(bootstrap: str, topic: str, markers: str, total: int) -
         processing_timeout=timedelta(seconds=30),
         max_batch=BATCH,
         consumer_config=dict(FAST_GROUP),
+        marker_version=1 if form == "v1-message" else 2,
     )
     await consumer.start()
     try:
         seen = counted = 0
         t0 = cpu0 = 0.0
+        if form == "v2-message":
+            # The first message starts the clock (the group join is excluded).
+            async for message in consumer:
+                await message.ack()
+                seen += 1
+                if seen == 1:
+                    t0, cpu0 = time.perf_counter(), time.process_time()
+                if seen >= total:
+                    break
+            counted = seen - 1
         while seen < total:
             try:
                 messages = await consumer.getmany()
@@ -149,19 +170,72 @@ async def kmq_throughput(bootstrap: str, topic: str, markers: str, total: int) -
                 continue
             if not messages:
                 continue
-            for message in messages:
-                await message.ack()
+            if form == "v2-batch":
+                await consumer.ack_all()
+            else:
+                for message in messages:
+                    await message.ack()
             if seen == 0:
                 t0, cpu0 = time.perf_counter(), time.process_time()
             else:
                 counted += len(messages)
             seen += len(messages)
-        await consumer.flush()  # every ACK acknowledged by the broker: the work is done
+        await consumer.flush()  # every settle acknowledged by the broker: the work is done
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
     finally:
         await consumer.stop()
     return {"rate": counted / elapsed, "seconds": elapsed, "cpu_us_per_msg": cpu / counted * 1e6}
+
+
+#: Targets per form (issue 13): ratio to plain aiokafka committing per batch, to plain
+#: aiokafka auto-committing, and CPU per message against the auto-committing one.
+_TARGETS: dict[str, dict[int, tuple[float | None, float | None, float | None]]] = {
+    "v2-batch": {100: (0.95, 0.7, 1.3), 1024: (0.95, 0.7, 1.3)},
+    "v2-message": {100: (0.8, None, None), 1024: (0.9, None, None)},
+    "v1-message": {100: (None, None, None), 1024: (None, None, None)},
+}
+
+
+def _throughput_figures(
+    result: ScenarioResult, size: int, best: dict[str, dict[str, float]]
+) -> None:
+    label = f"{size} B"
+    plain, auto = best["plain"], best["plain-auto"]
+    result.add(Figure(f"{label}: plain aiokafka, commit per batch", plain["rate"], "msg/s"))
+    result.add(Figure(f"{label}: plain aiokafka, auto-commit", auto["rate"], "msg/s"))
+    for form in KMQ_FORMS:
+        run = best[form]
+        to_batch, to_auto, cpu = _TARGETS[form].get(size, (None, None, None))
+        result.add(Figure(f"{label}: kmq {form} throughput", run["rate"], "msg/s"))
+        result.add(
+            Figure(
+                f"{label}: kmq {form} / plain commit-per-batch",
+                run["rate"] / plain["rate"],
+                "x",
+                to_batch,
+                ">=",
+            )
+        )
+        result.add(
+            Figure(
+                f"{label}: kmq {form} / plain auto-commit",
+                run["rate"] / auto["rate"],
+                "x",
+                to_auto,
+                ">=",
+            )
+        )
+        result.add(
+            Figure(
+                f"{label}: kmq {form} CPU per message / plain auto-commit",
+                run["cpu_us_per_msg"] / auto["cpu_us_per_msg"],
+                "x",
+                cpu,
+                "<=",
+                note=f"{auto['cpu_us_per_msg']:.1f} vs {run['cpu_us_per_msg']:.1f} us/msg",
+            )
+        )
 
 
 # -- latency ----------------------------------------------------------------------------------
@@ -297,12 +371,19 @@ async def run(
         ]
         try:
             produce_rate = await fill_topic(bootstrap, topic, messages, size)
-            runs: dict[str, list[dict[str, float]]] = {"plain": [], "kmq": []}
+            runs: dict[str, list[dict[str, float]]] = {
+                name: [] for name in ("plain", "plain-auto", *KMQ_FORMS)
+            }
             for _ in range(repeat):
                 runs["plain"].append(await plain_throughput(bootstrap, topic, messages))
-                runs["kmq"].append(await kmq_throughput(bootstrap, topic, markers, messages))
+                runs["plain-auto"].append(
+                    await plain_throughput(bootstrap, topic, messages, auto_commit=True)
+                )
+                for form in KMQ_FORMS:
+                    runs[form].append(
+                        await kmq_throughput(bootstrap, topic, markers, messages, form)
+                    )
             best = {k: max(v, key=lambda r: r["rate"]) for k, v in runs.items()}
-            ratio = best["kmq"]["rate"] / best["plain"]["rate"]
             plain_lat = await _latency_run(
                 bootstrap, lat_topics[0], None, latency_rate, latency_seconds, size
             )
@@ -323,18 +404,7 @@ async def run(
             "latency_added_ms": added,
             "latency_rate": latency_rate,
         }
-        result.add(Figure(f"{label}: plain aiokafka throughput", best["plain"]["rate"], "msg/s"))
-        result.add(Figure(f"{label}: kmq client throughput", best["kmq"]["rate"], "msg/s"))
-        result.add(Figure(f"{label}: throughput ratio kmq/plain", ratio, "x", 0.90, ">="))
-        result.add(
-            Figure(
-                f"{label}: CPU per message plain / kmq",
-                best["kmq"]["cpu_us_per_msg"] / best["plain"]["cpu_us_per_msg"],
-                "x",
-                note=f"{best['plain']['cpu_us_per_msg']:.1f} vs "
-                f"{best['kmq']['cpu_us_per_msg']:.1f} us/msg",
-            )
-        )
+        _throughput_figures(result, size, best)
         for q in ("p50", "p95", "p99"):
             result.add(
                 Figure(

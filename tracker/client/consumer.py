@@ -20,6 +20,7 @@ the invariant is the same, since a prepared batch is handed over only after all 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -43,6 +44,7 @@ from tracker.protocol_v2 import RangeMarker
 
 from .markers import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage
+from .pipeline import StartPipeline
 from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
 from .ranges import OPEN, RangeBook
 
@@ -105,7 +107,10 @@ class KmqConsumer:
         producer_config: Mapping[str, Any] | None = None,
         marker_sink: MarkerSink | None = None,
         marker_version: int = 2,
+        pipeline_depth: int = 4,
     ) -> None:
+        if pipeline_depth < 1:
+            raise ValueError("pipeline_depth must be at least 1")
         if marker_version not in MARKER_VERSIONS or isinstance(marker_version, bool):
             raise ValueError(
                 f"marker_version must be 1 or 2 (docs/protocol.md), got {marker_version!r}"
@@ -154,7 +159,9 @@ class KmqConsumer:
         self._sink: MarkerSink = marker_sink
         self.marker_version = marker_version
         self._book = RangeBook(self._sink.send_later)
-        self._prefetch: asyncio.Task[_Prepared] | None = None
+        self._pipeline: StartPipeline | None = None
+        self._pipeline_depth = pipeline_depth
+        self._committing: asyncio.Task[None] | None = None
         #: handed-over messages settled per message (copies): what ack_all must ack
         self._loose: list[KmqMessage] = []
         self._running = False
@@ -183,6 +190,7 @@ class KmqConsumer:
         self._running = False
         try:
             await self._release_prefetched()
+            await self._committed()
             self._book.flush()
             self._book.close()
             await self._sink.flush()
@@ -190,25 +198,21 @@ class KmqConsumer:
             await self._close_clients()
 
     async def _release_prefetched(self) -> None:
-        """Stop preparing; give a prepared batch the app never saw back to the tracker.
+        """Stop the pipeline; give batches the app never saw back to the tracker.
 
-        Its STARTs are acknowledged and its offsets committed, so it is covered; an EXTEND
-        of 1 ms makes the tracker redeliver it at once instead of at the end of its lease
-        (what SQS does with a visibility timeout of 0, share groups with RELEASE). A batch
-        whose preparation is cancelled half way is either covered (STARTs written) or read
-        again (offsets not committed).
+        Their STARTs are acknowledged, so they are covered; an EXTEND of 1 ms makes the
+        tracker redeliver them at once instead of at the end of their lease (what SQS does with
+        a visibility timeout of 0, share groups with RELEASE). Their offsets were not
+        committed (that happens at hand-over), so the group reads them again too: whichever
+        comes first, nothing waits for a lease. A batch whose STARTs are still on their way is
+        either covered or read again.
         """
-        task, self._prefetch = self._prefetch, None
-        if task is None:
+        if self._pipeline is None:
             return
-        if not task.done():
-            task.cancel()
-        try:
-            prepared = await task
-        except (asyncio.CancelledError, MarkerWriteFailed, KafkaError):
-            return
-        for marker in prepared.extensions(1):
-            self._sink.send_later(marker)
+        for item in await self._pipeline.close():
+            prepared = _Prepared(item.plans, item.sent_at, self._timeout_ms, self.group_id)
+            for marker in prepared.extensions(1):
+                self._sink.send_later(marker)
 
     async def _close_clients(self) -> None:
         try:
@@ -287,32 +291,33 @@ class KmqConsumer:
         return self._hand_over(planned)
 
     async def _getmany_ranges(self, timeout_ms: int) -> list[KmqMessage]:
-        """Hand over the prepared batch; start preparing the next one."""
-        task = self._prefetch
-        if task is None:
-            task = self._prefetch = asyncio.get_running_loop().create_task(
-                self._prepare(timeout_ms), name="kmq-prepare-batch"
+        """Hand over the next batch whose STARTs are acknowledged; commit it after that."""
+        if self._pipeline is None:
+            self._pipeline = StartPipeline(
+                fetch=self._fetch_batch,
+                plan=self._plan_ranges,
+                send=self._sink.send_all,
+                seek=self._seek_back,
+                depth=self._pipeline_depth,
             )
-        # Shielded: a caller cancelled while waiting leaves the batch to the next call (a
-        # batch cancelled half way could be committed and never handed over).
-        try:
-            prepared = await asyncio.shield(task)
-        finally:
-            if task.done():
-                self._prefetch = None
+        item = await self._pipeline.next(timeout_ms / 1000)
+        if item is None:
+            return []
+        self._commit_soon(item.fetched)
         self._book.flush()  # the acks of the batches before go out first
-        messages = self._hand_over_ranges(prepared)
-        if self._running:
-            self._prefetch = asyncio.get_running_loop().create_task(
-                self._prepare(timeout_ms), name="kmq-prepare-next-batch"
-            )
-        return messages
-
-    async def _prepare(self, timeout_ms: int) -> _Prepared:
-        """Fetch a batch, write its STARTs and wait for them, commit its offsets."""
-        fetched: dict[Any, list[Any]] = await self._consumer.getmany(
-            timeout_ms=timeout_ms, max_records=self._max_batch
+        return self._hand_over_ranges(
+            _Prepared(item.plans, item.sent_at, self._timeout_ms, self.group_id)
         )
+
+    async def _fetch_batch(self) -> dict[Any, list[Any]]:
+        fetched: dict[Any, list[Any]] = await self._consumer.getmany(
+            timeout_ms=self._fetch_timeout_ms, max_records=self._max_batch
+        )
+        return fetched
+
+    def _plan_ranges(
+        self, fetched: dict[Any, list[Any]]
+    ) -> tuple[list[RangePlan], list[AnyMarker]]:
         now = self._clock.now()
         plans = [
             plan_ranges(
@@ -330,21 +335,52 @@ class KmqConsumer:
         for plan in plans:
             markers += [opened.start(self.consumer_id, self._timeout_ms) for opened in plan.ranges]
             markers += plan.markers
-        copies = [
-            (origin, attempt)
-            for plan in plans
-            for _, _, _, origin, attempt in plan.deliver
-            if origin is not None
-        ]
-        if markers:
-            try:
-                await self._sink.send_all(markers)
-            except MarkerWriteFailed:
-                self._rewind(fetched, copies)
-                raise
-        if fetched and not await self._commit(fetched, copies):
-            return _Prepared([], time.monotonic(), self._timeout_ms, self.group_id)
-        return _Prepared(plans, time.monotonic(), self._timeout_ms, self.group_id)
+        return plans, markers
+
+    def _seek_back(self, first: dict[Any, int]) -> None:
+        """Read these partitions again from these offsets (the batches were not handed over).
+
+        Their copies are forgotten by the deduplication: read again, they are not duplicates.
+        """
+        assigned = self._consumer.assignment()
+        for tp, offset in first.items():
+            if tp in assigned:
+                self._consumer.seek(tp, offset)
+        if self._seen is not None:
+            self._seen.clear()
+
+    def _commit_soon(self, fetched: dict[Any, list[Any]]) -> None:
+        """Commit past ``fetched`` once the commits before it are done (in order)."""
+        offsets = {
+            tp: OffsetAndMetadata(batch[-1].offset + 1, "")
+            for tp, batch in fetched.items()
+            if batch
+        }
+        self._committing = asyncio.get_running_loop().create_task(
+            self._commit_after(self._committing, offsets), name="kmq-commit"
+        )
+
+    async def _commit_after(
+        self, previous: asyncio.Task[None] | None, offsets: dict[Any, OffsetAndMetadata]
+    ) -> None:
+        if previous is not None:
+            with contextlib.suppress(Exception):
+                await previous
+        try:
+            await self._consumer.commit(offsets)
+        except KafkaError as exc:
+            log.warning(
+                "offset commit failed (%r); the batch is covered by its STARTs and will be "
+                "read again by the partition's next owner",
+                exc,
+            )
+
+    async def _committed(self) -> None:
+        """Wait for the commits in flight (before leaving the group)."""
+        task, self._committing = self._committing, None
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await task
 
     def _hand_over_ranges(self, prepared: _Prepared) -> list[KmqMessage]:
         if prepared.stale():

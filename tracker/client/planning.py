@@ -91,6 +91,10 @@ class SeenCopies:
         self._seen[key] = now + self._window
         return False
 
+    def clear(self) -> None:
+        """Forget everything (batches were dropped and will be read again)."""
+        self._seen.clear()
+
     def forget(self, origin: MessageId, attempt: int) -> None:
         """The copy was not taken after all (its batch is read again): not a duplicate then."""
         self._seen.pop((origin, attempt), None)
