@@ -38,6 +38,7 @@ from tracker.protocol_limits import (
     MAX_REASON_LENGTH,
     MAX_TIMEOUT_MS,
 )
+from tracker.protocol_text import decode_name, decode_topic, text_cache, topic_cache
 from tracker.protocol_v2 import RangeKind, RangeMarker, encode_range_marker, py_decode_range_marker
 
 VERSION = 1
@@ -368,37 +369,11 @@ def encode_any(marker: Marker | RangeMarker) -> bytes:
 # caches that turn the handful of distinct topic / group / consumer names into validated,
 # interned ``str`` objects after their first appearance.
 
-_CACHE_LIMIT = 4096
-_topic_cache: dict[bytes, str] = {}
-_text_cache: dict[bytes, str] = {}
-
-
-def _topic(raw: bytes) -> str:
-    name = _topic_cache.get(raw)
-    if name is None:
-        try:
-            name = raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise MarkerError("topic name is not ASCII") from None
-        if not is_valid_topic(name):
-            raise MarkerError(f"{name[:60]!r} is not a legal Kafka topic name")
-        if len(_topic_cache) >= _CACHE_LIMIT:
-            _topic_cache.clear()
-        _topic_cache[raw] = name
-    return name
-
-
-def _name(raw: bytes, what: str) -> str:
-    text = _text_cache.get(raw)
-    if text is None:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise MarkerError(f"{what} is not valid UTF-8") from None
-        if len(_text_cache) >= _CACHE_LIMIT:
-            _text_cache.clear()
-        _text_cache[raw] = text
-    return text
+# The caches are shared with the v2 decoder (tracker/protocol_text.py).
+_topic_cache = topic_cache
+_text_cache = text_cache
+_topic = decode_topic
+_name = decode_name
 
 
 def _reason(raw: bytes) -> str:
@@ -641,9 +616,7 @@ _speedups_module = _c_decoder()
 _c_decode: Callable[[bytes], AnyMarker] | None = (
     None if _speedups_module is None else _speedups_module.decode
 )
-_c_decode_many: Callable[
-    [list[bytes | None]], tuple[list[AnyMarker | None], list[tuple[int, str]]]
-]
+_c_decode_many: Callable[[list[bytes | None]], tuple[list[AnyMarker | None], list[tuple[int, str]]]]
 _c_decode_many = None if _speedups_module is None else _speedups_module.decode_many  # type: ignore[assignment]
 #: Whether the C decoder is in use.
 SPEEDUPS = _c_decode is not None

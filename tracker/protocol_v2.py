@@ -40,6 +40,7 @@ from tracker.protocol_limits import (
     MAX_PARTITION,
     MAX_TIMEOUT_MS,
 )
+from tracker.protocol_text import decode_name, decode_topic
 
 VERSION = 2
 
@@ -316,39 +317,11 @@ def _encode_exceptions(exceptions: int, width: int, out: list[bytes]) -> int:
 # --------------------------------------------------------------------------------------------
 # Decoding
 
-_topic_cache: dict[bytes, str] = {}
-_text_cache: dict[bytes, str] = {}
 _unpack_head = _HEAD.unpack_from
 _unpack_u32 = _U32.unpack_from
 _unpack_run = _RUN.unpack_from
-
-
-def _topic(raw: bytes) -> str:
-    name = _topic_cache.get(raw)
-    if name is None:
-        try:
-            name = raw.decode("ascii")
-        except UnicodeDecodeError:
-            raise MarkerError("topic name is not ASCII") from None
-        if not is_valid_topic(name):
-            raise MarkerError(f"{name[:60]!r} is not a legal Kafka topic name")
-        if len(_topic_cache) >= 4096:
-            _topic_cache.clear()
-        _topic_cache[raw] = name
-    return name
-
-
-def _name(raw: bytes, what: str) -> str:
-    text = _text_cache.get(raw)
-    if text is None:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise MarkerError(f"{what} is not valid UTF-8") from None
-        if len(_text_cache) >= 4096:
-            _text_cache.clear()
-        _text_cache[raw] = text
-    return text
+_topic = decode_topic
+_name = decode_name
 
 
 def py_decode_range_marker(value: bytes) -> RangeMarker:  # noqa: PLR0915

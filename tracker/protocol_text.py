@@ -1,0 +1,45 @@
+"""Text fields of marker records, validated once and cached (both protocol versions).
+
+A markers topic repeats the same handful of topic, group and consumer names in every record:
+their validated ``str`` is kept after the first appearance, so decoding a marker costs its
+integers, not its strings. The v1 and v2 decoders share these caches.
+"""
+
+from __future__ import annotations
+
+from tracker.errors import MarkerError
+from tracker.ids import is_valid_topic
+
+CACHE_LIMIT = 4096
+topic_cache: dict[bytes, str] = {}
+text_cache: dict[bytes, str] = {}
+
+
+def decode_topic(raw: bytes) -> str:
+    """A topic name from its bytes; :class:`MarkerError` if it is not a legal one."""
+    name = topic_cache.get(raw)
+    if name is None:
+        try:
+            name = raw.decode("ascii")
+        except UnicodeDecodeError:
+            raise MarkerError("topic name is not ASCII") from None
+        if not is_valid_topic(name):
+            raise MarkerError(f"{name[:60]!r} is not a legal Kafka topic name")
+        if len(topic_cache) >= CACHE_LIMIT:
+            topic_cache.clear()
+        topic_cache[raw] = name
+    return name
+
+
+def decode_name(raw: bytes, what: str) -> str:
+    """A UTF-8 name (group, consumer) from its bytes; :class:`MarkerError` if not UTF-8."""
+    text = text_cache.get(raw)
+    if text is None:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise MarkerError(f"{what} is not valid UTF-8") from None
+        if len(text_cache) >= CACHE_LIMIT:
+            text_cache.clear()
+        text_cache[raw] = text
+    return text
