@@ -28,6 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from tracker.protocol import MAX_DELAY_MS, MAX_TIMEOUT_MS
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 MAX_PARTITION = 2**31 - 1
 MAX_OFFSET = 2**63 - 1
@@ -970,6 +971,92 @@ class MarkerIn(BaseModel):
         return self
 
 
+class RangeKindName(enum.StrEnum):
+    RANGE_START = "range_start"
+    RANGE_SETTLE = "range_settle"
+    RANGE_EXTEND = "range_extend"
+
+
+class RangeMarkerIn(BaseModel):
+    """One range marker (protocol version 2): a whole fetched batch of one partition at once."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "kind": "range_start",
+                    "group": "billing",
+                    "topic": "orders",
+                    "partition": 3,
+                    "first_offset": 42,
+                    "last_offset": 541,
+                    "timeout_ms": 30000,
+                    "consumer": "worker-1",
+                },
+                {
+                    "kind": "range_settle",
+                    "group": "billing",
+                    "topic": "orders",
+                    "partition": 3,
+                    "first_offset": 42,
+                    "last_offset": 541,
+                    "except_offsets": [97],
+                },
+            ]
+        },
+    )
+
+    kind: RangeKindName
+    group: GroupId
+    topic: TopicName = Field(description="Topic of the fetched records.")
+    partition: Partition
+    first_offset: Offset
+    last_offset: Offset
+    except_offsets: list[Annotated[int, Field(ge=0), JsonInt]] = Field(
+        default_factory=list,
+        max_length=MAX_RANGE_WIDTH,
+        description="Offsets in the range the marker does not speak for: range_start, not "
+        "this group's / tracked per message; range_settle, not acked; range_extend, not "
+        "extended.",
+    )
+    timeout_ms: Annotated[int, Field(ge=0, le=MAX_TIMEOUT_MS), JsonInt] | None = Field(
+        None,
+        description="range_start: the lease (0 or null: the topic's policy); range_extend: "
+        "the new lease.",
+    )
+    consumer: Annotated[str, text(255, "range_start: consumer id."), AfterValidator(_storable)] | (
+        None
+    ) = None
+
+    @model_validator(mode="after")
+    def _fields_fit_the_kind(self) -> RangeMarkerIn:
+        kind = self.kind
+        if self.last_offset < self.first_offset:
+            raise ValueError("last_offset must not be below first_offset")
+        if self.timeout_ms is not None and kind is RangeKindName.RANGE_SETTLE:
+            raise ValueError("timeout_ms applies to range_start and range_extend markers only")
+        if kind is RangeKindName.RANGE_EXTEND and not self.timeout_ms:
+            raise ValueError("a range_extend marker needs timeout_ms >= 1")
+        if self.consumer is not None and kind is not RangeKindName.RANGE_START:
+            raise ValueError("consumer applies to range_start markers only")
+        return self
+
+
+def _marker_item_kind(value: Any) -> str | None:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    if isinstance(value, RangeMarkerIn) or (isinstance(kind, str) and kind.startswith("range_")):
+        return "range"
+    return "marker"
+
+
+#: One marker of either protocol version; ``kind`` picks the model (``range_*``: version 2).
+MarkerItem = Annotated[
+    Annotated[MarkerIn, Tag("marker")] | Annotated[RangeMarkerIn, Tag("range")],
+    Discriminator(_marker_item_kind),
+]
+
+
 class MarkerBatch(BaseModel):
     """Several markers, written together (in order)."""
 
@@ -1000,21 +1087,27 @@ class MarkerBatch(BaseModel):
         },
     )
 
-    markers: list[MarkerIn] = Field(min_length=1, max_length=1000)
+    markers: list[MarkerItem] = Field(min_length=1, max_length=1000)
 
 
 def _marker_body_kind(value: Any) -> str | None:
     if isinstance(value, dict):
-        return "batch" if "markers" in value else "marker"
-    if isinstance(value, MarkerIn | MarkerBatch):
-        return "batch" if isinstance(value, MarkerBatch) else "marker"
+        if "markers" in value:
+            return "batch"
+        return _marker_item_kind(value)
+    if isinstance(value, MarkerBatch):
+        return "batch"
+    if isinstance(value, MarkerIn | RangeMarkerIn):
+        return _marker_item_kind(value)
     return None
 
 
 #: The sidecar endpoint's body: one marker, or ``{"markers": [...]}``. The discriminator picks
 #: the branch first, so a validation error speaks of that branch only.
 MarkerBody = Annotated[
-    Annotated[MarkerIn, Tag("marker")] | Annotated[MarkerBatch, Tag("batch")],
+    Annotated[MarkerIn, Tag("marker")]
+    | Annotated[RangeMarkerIn, Tag("range")]
+    | Annotated[MarkerBatch, Tag("batch")],
     Discriminator(
         _marker_body_kind,
         custom_error_type="marker_body",

@@ -16,11 +16,20 @@ from fastapi import APIRouter, Body
 
 from tracker.errors import MarkerError, MarkerWriteFailed
 from tracker.ids import MessageId
-from tracker.protocol import Marker, MarkerKind, encode_marker
+from tracker.protocol import AnyMarker, Marker, MarkerKind, encode_any
+from tracker.protocol_v2 import RangeKind, RangeMarker
 
 from ..deps import Admin, Context
 from ..errors import ApiError
-from ..models import MarkerBatch, MarkerBody, MarkerIn, MarkerKindName, MarkersAccepted
+from ..models import (
+    MarkerBatch,
+    MarkerBody,
+    MarkerIn,
+    MarkerKindName,
+    MarkersAccepted,
+    RangeKindName,
+    RangeMarkerIn,
+)
 from . import WRITE_ERRORS, errors
 
 router = APIRouter(prefix="/v1/markers", tags=["sidecar"])
@@ -58,6 +67,35 @@ def to_marker(item: MarkerIn) -> Marker:
     )
 
 
+def to_range_marker(item: RangeMarkerIn) -> RangeMarker:
+    """The protocol v2 range marker for ``item``; raises MarkerError for offsets outside it."""
+    exceptions = 0
+    for offset in item.except_offsets:
+        if not item.first_offset <= offset <= item.last_offset:
+            raise MarkerError(
+                f"except_offsets: {offset} is outside {item.first_offset}..{item.last_offset}"
+            )
+        exceptions |= 1 << (offset - item.first_offset)
+    return RangeMarker(
+        kind=RangeKind[item.kind.value.upper()],
+        group=item.group,
+        topic=item.topic,
+        partition=item.partition,
+        first_offset=item.first_offset,
+        last_offset=item.last_offset,
+        exceptions=exceptions,
+        timeout_ms=item.timeout_ms or 0,
+        consumer=item.consumer or "",
+    )
+
+
+def kind_label(marker: AnyMarker) -> str:
+    """The ``kind`` label of ``kmq_sidecar_markers_total`` for ``marker``."""
+    if isinstance(marker, RangeMarker):
+        return RangeKindName[marker.kind.name].value
+    return MarkerKindName[marker.kind.name].value
+
+
 @router.post(
     "",
     response_model=MarkersAccepted,
@@ -71,18 +109,22 @@ async def post_markers(
 ) -> MarkersAccepted:
     """Write one marker (a marker object) or several (``{"markers": [...]}``, in order).
 
+    A marker is a per-message marker (``start``, ``ack``, ``delay``, ``extend``, ``reject``)
+    or a range marker of protocol version 2 (``range_start``, ``range_settle``,
+    ``range_extend``) covering a whole fetched batch of one partition.
+
     Answers 200 once the broker has acknowledged all of them; 422 names the first invalid
     marker (nothing is written then); 503 if the broker did not acknowledge them (some may
     have been written: markers are idempotent, so retrying the whole request is safe).
     """
     items = body.markers if isinstance(body, MarkerBatch) else [body]
-    markers: list[Marker] = []
+    markers: list[AnyMarker] = []
     allowed = context.settings.allowed_topics
     for index, item in enumerate(items):
         where = f"markers[{index}]" if isinstance(body, MarkerBatch) else "marker"
         try:
-            marker = to_marker(item)
-            encode_marker(marker)
+            marker = to_marker(item) if isinstance(item, MarkerIn) else to_range_marker(item)
+            encode_any(marker)
         except MarkerError as exc:
             raise ApiError(422, f"{where}: {exc}") from None
         if allowed is not None:
@@ -97,5 +139,5 @@ async def post_markers(
         detail = str(exc) or f"no acknowledgement within {SEND_TIMEOUT:g}s"
         raise ApiError(503, f"markers not acknowledged by the broker: {detail}") from None
     for marker in markers:
-        context.metrics.sidecar_markers.labels(MarkerKindName[marker.kind.name].value).inc()
+        context.metrics.sidecar_markers.labels(kind_label(marker)).inc()
     return MarkersAccepted(accepted=len(markers), markers_topic=context.settings.markers_topic)

@@ -12,6 +12,7 @@ from tracker.client.markers import KafkaMarkerSink
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import AnyMarker, Marker, decode_marker
+from tracker.protocol_v2 import MAX_RANGE_WIDTH, RangeMarker
 
 from .api_support import ApiEnv, api_env
 
@@ -174,6 +175,113 @@ async def test_invalid_markers_are_refused_and_nothing_is_written(env: ApiEnv) -
     )
     assert response.status_code == 422
     assert response.json()["detail"].startswith("markers[1]: ")
+    assert await read_markers(env.bootstrap, env.markers) == []
+
+
+async def test_range_markers_land_as_protocol_v2_in_order_with_per_message_ones(
+    env: ApiEnv,
+) -> None:
+    """A sidecar consumer tracks a whole fetched batch with two requests, not two per message."""
+    where = {"group": "billing", "topic": "orders", "partition": 2}
+    batch: list[dict[str, Any]] = [
+        {
+            **where,
+            "kind": "range_start",
+            "first_offset": 100,
+            "last_offset": 199,
+            "except_offsets": [150],  # a copy, tracked per message
+            "timeout_ms": 30_000,
+            "consumer": "go-worker-1",
+        },
+        {**where, "kind": "start", "offset": 150, "timeout_ms": 30_000},
+        {**where, "kind": "reject", "offset": 120, "reason": "bad json"},
+        {
+            **where,
+            "kind": "range_extend",
+            "first_offset": 100,
+            "last_offset": 199,
+            "except_offsets": [150],
+            "timeout_ms": 60_000,
+        },
+        {
+            **where,
+            "kind": "range_settle",
+            "first_offset": 100,
+            "last_offset": 199,
+            "except_offsets": [120, 150, 151],
+        },
+    ]
+    response = await env.client.post("/v1/markers", json={"markers": batch})
+    assert response.status_code == 200, response.text
+    response = await env.client.post(
+        "/v1/markers",
+        json={**where, "kind": "range_settle", "first_offset": 151, "last_offset": 151},
+    )
+    assert response.status_code == 200, response.text
+
+    no_copy = 1 << 50
+    expected: list[AnyMarker] = [
+        RangeMarker.start(
+            "billing",
+            "orders",
+            2,
+            100,
+            199,
+            exceptions=no_copy,
+            timeout_ms=30_000,
+            consumer="go-worker-1",
+        ),
+        Marker.start("billing", MessageId("orders", 2, 150), timeout_ms=30_000),
+        Marker.reject("billing", MessageId("orders", 2, 120), reason="bad json"),
+        RangeMarker.extend("billing", "orders", 2, 100, 199, exceptions=no_copy, timeout_ms=60_000),
+        RangeMarker.settle(
+            "billing", "orders", 2, 100, 199, exceptions=no_copy | 1 << 20 | 1 << 51
+        ),
+        RangeMarker.settle("billing", "orders", 2, 151, 151),
+    ]
+    found = await read_markers(env.bootstrap, env.markers)
+    # All on the markers partition of orders/2, in the order written.
+    assert [marker for _, _, marker in found] == expected
+    assert {partition for partition, _, _ in found} == {markers_partition("orders", 2, PARTITIONS)}
+    metrics = (await env.anonymous.get("/metrics")).text
+    assert 'kmq_sidecar_markers_total{kind="range_settle"} 2.0' in metrics
+    assert 'kmq_sidecar_markers_total{kind="range_start"} 1.0' in metrics
+
+
+async def test_invalid_range_markers_are_refused_and_nothing_is_written(env: ApiEnv) -> None:
+    good = {
+        "kind": "range_settle",
+        "group": "billing",
+        "topic": "orders",
+        "partition": 0,
+        "first_offset": 10,
+        "last_offset": 19,
+    }
+    cases: list[tuple[Any, str]] = [
+        ({**good, "kind": "range_nack"}, "kind"),
+        ({**good, "last_offset": 9}, "last_offset must not be below first_offset"),
+        ({**good, "first_offset": -1}, "first_offset"),
+        ({**good, "except_offsets": [-3]}, "except_offsets"),
+        ({**good, "timeout_ms": 5}, "timeout_ms applies to range_start and range_extend"),
+        ({**good, "kind": "range_extend"}, "needs timeout_ms"),
+        ({**good, "consumer": "x"}, "consumer applies to range_start"),
+        ({**good, "offset": 12}, "offset"),  # a v1 field on a range marker
+        ({"markers": [good, {**good, "partition": "zero"}]}, "markers.1"),
+    ]
+    for body, expected in cases:
+        response = await env.client.post("/v1/markers", json=body)
+        assert response.status_code == 422, (body, response.text)
+        assert response.json()["error"] == "validation_error"
+        assert expected in response.json()["detail"], (body, response.json()["detail"])
+    # The protocol's own checks, with the position in the batch.
+    protocol_cases: list[tuple[dict[str, Any], str]] = [
+        ({**good, "except_offsets": [20]}, "markers[1]: except_offsets: 20 is outside 10..19"),
+        ({**good, "last_offset": 10 + MAX_RANGE_WIDTH}, "markers[1]: a range of"),
+    ]
+    for marker, expected in protocol_cases:
+        response = await env.client.post("/v1/markers", json={"markers": [good, marker]})
+        assert response.status_code == 422, (marker, response.text)
+        assert response.json()["detail"].startswith(expected), response.json()["detail"]
     assert await read_markers(env.bootstrap, env.markers) == []
 
 

@@ -322,5 +322,5 @@ async def test_an_invalid_marker_nobody_waits_for_is_refused_to_its_writer() -> 
     bad = Marker.reject("billing", MessageId("orders", 0, 7), reason="x" * (MAX_REASON_LENGTH + 1))
     with pytest.raises(MarkerError, match="reason"):
         sink.send_later(bad)
-    assert sink._queued == []
+    assert sink._open == {}
     assert sink._pending_start == []

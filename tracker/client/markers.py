@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from aiokafka.errors import KafkaError
@@ -45,42 +45,59 @@ class MarkerSink(Protocol):
 log = logging.getLogger(__name__)
 
 
-async def _settle(futures: Sequence[Awaitable[Any]]) -> None:
-    try:
-        await asyncio.gather(*futures)
-    except KafkaError as exc:
-        raise MarkerWriteFailed(f"marker not acknowledged by the broker: {exc!r}") from exc
-
-
 #: Pauses (s) between looks for a markers topic not in the metadata; None: give up.
 MISSING_TOPIC_PAUSES: tuple[float | None, ...] = (0.1, 0.2, 0.4, 0.8, 1.5, None)
 
 
+class _Group:
+    """Markers for one markers partition that go to the producer together, and their fate.
+
+    ``done`` completes when the broker acknowledged every record of the group (or fails with
+    :class:`MarkerWriteFailed`); every writer whose marker is in the group waits on it.
+    """
+
+    __slots__ = ("done", "records", "watched")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.records: list[tuple[bytes, bytes]] = []
+        self.done: asyncio.Future[None] = loop.create_future()
+        #: a marker nobody waits for is in the group: a failure is logged
+        self.watched = False
+
+
 class KafkaMarkerSink:
-    """Writes markers with an aiokafka producer, one record batch per markers partition.
+    """Writes markers with an aiokafka producer: group commit, one writer per markers partition.
 
-    Markers are encoded and appended straight to aiokafka ``BatchBuilder``s, one per markers
-    partition, and each builder is queued with ``send_batch``: one future per partition and
-    call instead of one ``send`` (and one future) per marker, which made writing a marker cost
-    more than consuming a message. Markers that nobody waits for (``send_later``: an ``ack()``
-    without ``wait``) are collected and sent together on the next event-loop iteration.
+    aiokafka keeps one request in flight per broker and one undrained batch per partition
+    (``send_batch`` waits until the previous batch of its partition went into a request). A
+    sink that handed each call's markers to the producer in turn made every marker wait for
+    the round trip of the one before it on the same partition — and, behind one lock, every
+    marker on every other partition too. Here each call only appends its encoded records to
+    the *open group* of its markers partition and returns; a writer task per partition takes
+    the whole open group, builds its record batch and hands it to the producer, and while the
+    producer waits for the previous request the next group fills up. So the markers of a
+    partition go out as one batch per round trip whatever the rate, partitions never wait for
+    each other, and a writer that waits pays one round trip, not one per marker queued ahead.
 
-    Order: every path takes the queued markers first and hands batches to the producer under
-    one lock, and aiokafka sends a partition's batches in the order they were queued, so the
-    markers of one message reach their markers partition in the order they were written.
+    Order: a partition's records enter its open group in call order and its writer hands
+    groups to the producer in order, which sends a partition's batches in the order queued:
+    the markers of one message reach their markers partition in the order they were written.
     """
 
     def __init__(self, producer: Any, markers_topic: str) -> None:
         self._producer = producer
         self._topic = markers_topic
         self._partitions = 0
-        #: encoded markers from send_later: (markers partition, key, value)
-        self._queued: list[tuple[int, bytes, bytes]] = []
+        #: markers partition -> the group being filled
+        self._open: dict[int, _Group] = {}
+        #: markers partition -> its writer task (exits when the partition has nothing open)
+        self._writers: dict[int, asyncio.Task[None]] = {}
+        #: groups handed to the producer and not yet acknowledged
+        self._unsettled: set[asyncio.Future[None]] = set()
         #: send_later before the partition count is known (validated, encoded once started)
         self._pending_start: list[AnyMarker] = []
-        self._drainer: asyncio.Task[None] | None = None
-        self._unsettled: set[asyncio.Future[None]] = set()
-        self._lock = asyncio.Lock()
+        self._starter: asyncio.Task[None] | None = None
+        self._start_lock = asyncio.Lock()
 
     @property
     def topic(self) -> str:
@@ -115,109 +132,155 @@ class KafkaMarkerSink:
             ) from exc
         self._partitions = len(partitions)
 
-    def _encode(self, marker: AnyMarker) -> tuple[int, bytes, bytes]:
-        """(markers partition, key, value); raises ``MarkerError`` for an invalid marker."""
-        return (
-            markers_partition(marker.origin_topic, marker.origin_partition, self._partitions),
-            marker_key(marker.origin_topic, marker.origin_partition),
+    async def _started(self) -> None:
+        """Know the partition count, then queue what ``send_later`` kept before that, in order."""
+        if not self._partitions:
+            async with self._start_lock:
+                if not self._partitions:
+                    await self.start()
+        if self._pending_start:
+            early, self._pending_start = self._pending_start, []
+            for partition, record in [self._encode(marker) for marker in early]:
+                self._append(partition, record, watched=True)
+
+    def _encode(self, marker: AnyMarker) -> tuple[int, tuple[bytes, bytes]]:
+        """(markers partition, (key, value)); raises ``MarkerError`` for an invalid marker."""
+        topic, partition = marker.origin_topic, marker.origin_partition
+        return markers_partition(topic, partition, self._partitions), (
+            marker_key(topic, partition),
             encode_any(marker),
         )
 
-    async def _enqueue(self, markers: Sequence[AnyMarker]) -> dict[int, list[Any]]:
-        """Hand the queued markers, then ``markers``, to the producer: partition -> futures."""
-        async with self._lock:
-            if not self._partitions:
-                await self.start()
-            if self._pending_start:
-                early, self._pending_start = self._pending_start, []
-                self._queued[:0] = [self._encode(marker) for marker in early]
-            encoded = [self._encode(marker) for marker in markers]  # may raise: nothing taken
-            queued, self._queued = self._queued, []
-            by_partition: dict[int, list[tuple[bytes, bytes]]] = {}
-            for partition, key, value in (*queued, *encoded) if queued else encoded:
-                by_partition.setdefault(partition, []).append((key, value))
-            producer = self._producer
-            futures: dict[int, list[Any]] = {}
+    def _append(self, partition: int, record: tuple[bytes, bytes], *, watched: bool) -> _Group:
+        """Put an encoded marker into its partition's open group; start the writer if idle."""
+        group = self._open.get(partition)
+        if group is None:
+            loop = asyncio.get_running_loop()
+            group = self._open[partition] = _Group(loop)
+            writer = self._writers.get(partition)
+            if writer is None or writer.done():
+                self._writers[partition] = loop.create_task(
+                    self._write(partition), name=f"kmq-markers-{partition}"
+                )
+        group.records.append(record)
+        if watched:
+            group.watched = True
+        return group
+
+    async def _write(self, partition: int) -> None:
+        """Hand this partition's open groups to the producer, one at a time, until none is left."""
+        producer, topic = self._producer, self._topic
+        while (group := self._open.pop(partition, None)) is not None:
+            done = group.done
+            self._unsettled.add(done)
+            done.add_done_callback(self._settled(group))
+            delivered: list[Any] = []
             try:
-                for partition, records in by_partition.items():
-                    sent = futures[partition] = []
-                    batch = producer.create_batch()
-                    for key, value in records:
-                        if batch.append(key=key, value=value, timestamp=None) is None:
-                            batch.close()
-                            sent.append(
-                                await producer.send_batch(batch, self._topic, partition=partition)
-                            )
-                            batch = producer.create_batch()
-                            # The first record of an empty batch is always taken.
-                            batch.append(key=key, value=value, timestamp=None)
-                    # Closed: the batch is complete, so the producer sends it without lingering.
-                    batch.close()
-                    sent.append(await producer.send_batch(batch, self._topic, partition=partition))
+                batch = producer.create_batch()
+                for key, value in group.records:
+                    if batch.append(key=key, value=value, timestamp=None) is None:
+                        batch.close()
+                        delivered.append(
+                            await producer.send_batch(batch, topic, partition=partition)
+                        )
+                        batch = producer.create_batch()
+                        # The first record of an empty batch is always taken.
+                        batch.append(key=key, value=value, timestamp=None)
+                # Closed: the batch is complete, so the producer sends it without lingering.
+                batch.close()
+                delivered.append(await producer.send_batch(batch, topic, partition=partition))
             except KafkaError as exc:
-                raise MarkerWriteFailed(f"cannot queue markers: {exc!r}") from exc
-            return futures
+                done.set_exception(MarkerWriteFailed(f"cannot queue markers: {exc!r}"))
+                continue
+            except BaseException as exc:  # cancelled, or a bug: nobody may wait forever
+                if not done.done():
+                    done.set_exception(MarkerWriteFailed(f"marker writer stopped: {exc!r}"))
+                raise
+            asyncio.gather(*delivered).add_done_callback(_resolve(done))
+
+    def _settled(self, group: _Group) -> Callable[[asyncio.Future[None]], None]:
+        def settled(done: asyncio.Future[None]) -> None:
+            self._unsettled.discard(done)
+            if done.cancelled():
+                return
+            exc = done.exception()  # retrieved here, so an unawaited failure is not "lost"
+            if exc is not None and group.watched:
+                _warn_unacknowledged(exc)
+
+        return settled
 
     async def send(self, marker: AnyMarker) -> Awaitable[None]:
-        futures = await self._enqueue([marker])
-        mine = markers_partition(marker.origin_topic, marker.origin_partition, self._partitions)
-        for partition, sent in futures.items():
-            if partition != mine:  # markers queued earlier by send_later
-                self._watch(_settle(sent))
-        return _settle(futures[mine])
+        await self._started()
+        partition, record = self._encode(marker)
+        return _wait_for(self._append(partition, record, watched=False).done)
 
     def send_later(self, marker: AnyMarker) -> None:
-        if not self._partitions:
-            # Not started yet: the partition count comes with the first send.
-            encode_any(marker)  # an invalid marker raises here, to the caller
-            self._pending_start.append(marker)
-        else:
-            self._queued.append(self._encode(marker))  # an invalid marker raises here
-        if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.get_running_loop().create_task(
-                self._drain(), name="kmq-marker-drain"
+        if self._partitions:
+            partition, record = self._encode(marker)  # an invalid marker raises here
+            self._append(partition, record, watched=True)
+            return
+        # Not started yet: the partition count comes with the first send.
+        encode_any(marker)  # an invalid marker raises here, to the caller
+        self._pending_start.append(marker)
+        if self._starter is None or self._starter.done():
+            self._starter = asyncio.get_running_loop().create_task(
+                self._start_later(), name="kmq-markers-start"
             )
 
-    async def _drain(self) -> None:
-        """Send what ``send_later`` queued (runs on the next loop iteration after a call)."""
-        if not self._queued and not self._pending_start:
-            return
+    async def _start_later(self) -> None:
         try:
-            futures = await self._enqueue(())
+            await self._started()
         except MarkerWriteFailed as exc:
             _warn_unacknowledged(exc)
-            return
-        for sent in futures.values():
-            self._watch(_settle(sent))
-
-    def _watch(self, settling: Awaitable[None]) -> None:
-        """Log a failure of markers nobody waits for (the tracker will redeliver)."""
-        future = asyncio.ensure_future(settling)
-        self._unsettled.add(future)
-        future.add_done_callback(self._settled)
-
-    def _settled(self, future: asyncio.Future[None]) -> None:
-        self._unsettled.discard(future)
-        if not future.cancelled() and future.exception() is not None:
-            _warn_unacknowledged(future.exception())
 
     async def send_all(self, markers: Sequence[AnyMarker]) -> None:
-        futures = await self._enqueue(markers)
-        await _settle([f for sent in futures.values() for f in sent])
+        await self._started()
+        encoded = [self._encode(marker) for marker in markers]  # may raise: nothing queued
+        groups: dict[int, asyncio.Future[None]] = {}
+        for partition, record in encoded:
+            done = self._append(partition, record, watched=False).done
+            groups[id(done)] = done
+        if groups:
+            await asyncio.wait(groups.values())
+            for done in groups.values():
+                done.result()
 
     async def flush(self) -> None:
         """Send what is queued and wait for every marker handed over so far."""
-        if self._drainer is not None and not self._drainer.done():
-            await asyncio.wait({self._drainer})
-        if self._queued or self._pending_start:
-            for sent in (await self._enqueue(())).values():
-                self._watch(_settle(sent))
+        if self._starter is not None and not self._starter.done():
+            await asyncio.wait({self._starter})
+        while self._writers:
+            writers = [task for task in self._writers.values() if not task.done()]
+            self._writers = {p: t for p, t in self._writers.items() if not t.done()}
+            if not writers:
+                break
+            await asyncio.wait(writers)
         if self._unsettled:
             await asyncio.wait(set(self._unsettled))
         try:
             await self._producer.flush()
         except KafkaError as exc:
             raise MarkerWriteFailed(f"flushing markers failed: {exc!r}") from exc
+
+
+async def _wait_for(done: asyncio.Future[None]) -> None:
+    """Wait for a group shared with other writers without cancelling it if we are cancelled."""
+    if not done.done():
+        await asyncio.wait((done,))
+    done.result()
+
+
+def _resolve(done: asyncio.Future[None]) -> Callable[[asyncio.Future[list[Any]]], None]:
+    def resolve(delivered: asyncio.Future[list[Any]]) -> None:
+        if done.done():
+            return
+        exc = delivered.exception()
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(MarkerWriteFailed(f"marker not acknowledged by the broker: {exc!r}"))
+
+    return resolve
 
 
 def _warn_unacknowledged(exc: BaseException | None) -> None:
