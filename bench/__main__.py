@@ -23,10 +23,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import consumer_overhead, ingest, redelivery, scale
+from . import consumer_overhead, ingest, redelivery, scale, scale_ranges
 from .common import ROOT, Infra, ScenarioResult, infrastructure, machine
 
-SCENARIOS = ("consumer_overhead", "ingest", "redelivery", "scale")
+SCENARIOS = ("consumer_overhead", "ingest", "redelivery", "scale", "scale_ranges")
 
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "default": {
@@ -34,6 +34,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "ingest": {"messages": 200_000},
         "redelivery": {"burst_messages": 100_000, "steady_seconds": 15.0},
         "scale": {"sizes": (10_000, 100_000, 1_000_000), "api_seconds": 8.0},
+        "scale_ranges": {"sizes": (10_000, 100_000, 1_000_000, 10_000_000)},
     },
     "full": {
         "consumer_overhead": {"messages": 400_000, "repeat": 3, "latency_seconds": 15.0},
@@ -44,12 +45,14 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "postgres_extra": (10_000_000,),
             "api_seconds": 15.0,
         },
+        "scale_ranges": {"sizes": (10_000, 100_000, 1_000_000, 10_000_000)},
     },
     "quick": {
         "consumer_overhead": {"messages": 50_000, "repeat": 1, "latency_seconds": 4.0},
         "ingest": {"messages": 50_000},
         "redelivery": {"burst_messages": 20_000, "steady_seconds": 6.0},
         "scale": {"sizes": (10_000, 100_000), "reps": 5, "api_seconds": 4.0},
+        "scale_ranges": {"sizes": (10_000, 1_000_000), "reps": 5},
     },
     "smoke": {
         "consumer_overhead": {
@@ -75,6 +78,12 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "api_seconds": 0.5,
             "load_rate": 200,
         },
+        "scale_ranges": {
+            "sizes": (1_000, 5_000),
+            "stores": ("sqlite",),
+            "reps": 2,
+            "api_requests": 3,
+        },
     },
 }
 
@@ -98,6 +107,8 @@ async def run_all(
             found = [await ingest.run(infra, **kwargs)]
         elif name == "redelivery":
             found = [await redelivery.run(infra, **kwargs)]
+        elif name == "scale_ranges":
+            found = [await scale_ranges.run(infra, **kwargs)]
         else:
             found = list(await scale.run(infra, **kwargs))
         seconds = time.perf_counter() - started

@@ -1,11 +1,15 @@
 """Scenario 1: what the kmq client costs a consumer, next to plain aiokafka on the same topic.
 
 * **Throughput**: one topic (8 partitions) pre-filled with ``messages`` records of each size is
-  read from the beginning by plain aiokafka (``getmany`` + commit per batch) and by
-  ``KmqConsumer`` (START markers acknowledged, offsets committed, then every message acked),
-  alternately, ``repeat`` times each; the best run of each is compared. Both fetch batches of
-  the same size (``KmqConsumer``'s default ``max_batch``). The group join is excluded (the
-  clock starts when the first batch arrives; that batch is not counted).
+  read from the beginning, alternately, ``repeat`` times each, by two plain aiokafka baselines
+  — ``getmany`` + ``commit()`` after each batch (safe at-least-once), and aiokafka's default
+  auto-commit (what most plain consumers run) — and by ``KmqConsumer`` in the forms of
+  :data:`KMQ_FORMS` (range markers: whole batches with ``ack_all()``, and the README's
+  per-message ``async for`` + ``await message.ack()``; and protocol v1 per message); the best
+  run of each is compared, as ratios to both baselines and as CPU per message. All fetch
+  batches of the same size (``KmqConsumer``'s default ``max_batch``). The group join is
+  excluded (the clock starts when the first batch arrives; that batch is not counted), and a
+  kmq run ends when its last settle is acknowledged (``flush()``).
 * **Latency**: a producer in another process writes ``rate`` messages/s carrying their send time;
   the consumer, already joined, records ``hand-over time - send time`` for each message. Plain
   aiokafka hands a batch over when ``getmany`` returns; ``KmqConsumer`` after its STARTs are

@@ -94,6 +94,7 @@ def plots(document: dict[str, Any], directory: Path) -> list[Path]:
         ("ingest", _plot_ingest),
         ("redelivery", _plot_redelivery),
         ("scale", _plot_scale),
+        ("scale_ranges", _plot_scale_ranges),
         ("api_load", _plot_api),
     )
     for name, maker in makers:
@@ -203,6 +204,31 @@ def _plot_scale(data: dict[str, Any], path: Path) -> None:
         ax.legend()
     axes.flat[-1].axis("off")
     fig.suptitle("Cost per operation vs tracked entries")
+    _save(fig, path)
+
+
+def _plot_scale_ranges(data: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    keys = (
+        ("ingest_us_per_message", "ingest (us/message covered)"),
+        ("claim_due_ms", "claim_due 1,000 (ms)"),
+        ("next_due_ms", "next_due_ms (ms)"),
+        ("api_list_ms", "API list (ms)"),
+        ("api_list_due_ms", "API list by due (ms)"),
+        ("api_stats_ms", "API stats (ms)"),
+        ("rss_mb", "tracker RSS (MB)"),
+    )
+    fig, axes = plt.subplots(2, 4, figsize=(14, 6))
+    for ax, (key, label) in zip(axes.flat, keys, strict=False):
+        for store, series in data.items():
+            ax.plot([p["size"] for p in series], [p[key] for p in series], "o-", label=store)
+        ax.set_xscale("log")
+        ax.set_title(label)
+        ax.set_ylim(bottom=0)
+        ax.legend()
+    axes.flat[-1].axis("off")
+    fig.suptitle("Cost per operation vs messages in flight, range markers (500 per range)")
     _save(fig, path)
 
 

@@ -19,7 +19,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = {"consumer_overhead", "ingest", "redelivery", "scale", "api_load"}
+EXPECTED = {"consumer_overhead", "ingest", "redelivery", "scale", "scale_ranges", "api_load"}
 
 
 def test_every_scenario_runs_and_reports(kafka_bootstrap: str, tmp_path: Path) -> None:

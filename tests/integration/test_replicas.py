@@ -28,7 +28,7 @@ from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
 
 from .engine_support import TopicWatcher, eventually, tracker_settings
-from .workload import Ledger, Worker, produce_over_time
+from .workload import Ledger, Worker, copy_identity, produce_over_time
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -203,6 +203,20 @@ async def test_two_replicas_hand_partitions_over_without_double_redelivery(
             return not [e for e in entries if e.group_id == group]
 
         await eventually(nothing_tracked, within=30, what="no tracked entries left")
+        # The watcher is a consumer of its own and may be behind the worker under load: the
+        # ledger is built once it has read a copy of every message the worker acked a copy of.
+        await watcher.wait_for(
+            lambda records: (
+                {
+                    identity[0]
+                    for r in records
+                    if r.topic == topic and (identity := copy_identity(r)) is not None
+                }
+                >= set(sent)
+            ),
+            within=30,
+            what="the watcher to read every copy",
+        )
         final_epochs = {
             p: epoch for p, (epoch, _) in (await b.tracker.store.partition_offsets(markers)).items()
         }

@@ -1,0 +1,234 @@
+"""Scenario 4b: the store's cost per operation with range markers, 10k -> 10M in flight.
+
+Protocol v2 tracks a fetched batch as one row, so ten million messages in flight are twenty
+thousand rows of 500 offsets, not ten million rows. This scenario grows the store through
+:meth:`Store.apply` with range STARTs of :data:`WIDTH` offsets (1-day leases, nothing falls
+due while it runs) and at each size measures, as scenario 4 does for per-message markers:
+
+* **ingest**: ``Store.apply`` of 2 range STARTs of new batches + 2 range SETTLEs of the oldest
+  tracked ones (1,000 + 1,000 messages covered; the store size stays put), per message covered;
+* **due-scan**: ``Store.next_due_ms`` over the 8 partitions, and ``Store.claim_due`` of 1,000
+  messages (it expands due ranges into per-message entries and splits them out of the range);
+* **API**: a tracker replica with its admin API as a subprocess on the store: the message
+  listings (key order, in-flight by due) and the topic stats, sequential, median latency, and
+  the process's RSS, which must not grow with the messages in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+
+from tracker.clock import SystemClock, to_millis
+from tracker.partitioning import markers_partition
+from tracker.store import Store
+from tracker.store.manager import PendingMarker
+from tracker.store.migrate import upgrade
+
+from . import markers as mk
+from .common import (
+    Figure,
+    Infra,
+    ScenarioResult,
+    Stopwatch,
+    create_topic,
+    delete_topics,
+    median,
+    unique,
+)
+from .scale import DAY_MS, ENDPOINTS, PARTITIONS, _free_port, policy_for, sequential
+from .tracker_proc import TrackerProcess
+
+#: Offsets per range: a fetched batch of a partition (aiokafka's default max_records is 500).
+WIDTH = 500
+#: Ranges per Store.apply while seeding (1M messages covered).
+SEED_RANGES = 2_000
+#: Ranges started and settled per measured ingest operation (each way).
+OP_RANGES = 2
+OP_CLAIM = 1000
+
+
+class RangeSeeder:
+    """Grows the store with range STARTs; batch ``b`` is offsets of partition ``b % 8``."""
+
+    def __init__(self, store: Store, markers_topic: str, queue: str) -> None:
+        self.store = store
+        self.markers_topic = markers_topic
+        self.queue = queue
+        self.size = 0  #: messages in flight
+        self.next_batch = 0
+        self.oldest = 0  #: first batch not settled
+        self.epochs: dict[int, int] = {}
+
+    async def load_epochs(self) -> None:
+        offsets = await self.store.partition_offsets(self.markers_topic)
+        self.epochs = {p: epoch for p, (epoch, _) in offsets.items()}
+
+    def _batch(self, b: int, *, settle: bool, now: int) -> PendingMarker:
+        p, first = b % PARTITIONS, (b // PARTITIONS) * WIDTH
+        last = first + WIDTH - 1
+        if settle:
+            marker = mk.range_settle(self.queue, p, first, last)
+        else:
+            marker = mk.range_start(self.queue, p, first, last, DAY_MS)
+        return PendingMarker(marker, now, markers_partition(self.queue, p, PARTITIONS), 0)
+
+    def _starts(self, n: int) -> list[PendingMarker]:
+        now = to_millis(SystemClock().now())
+        first = self.next_batch
+        self.next_batch += n
+        return [self._batch(b, settle=False, now=now) for b in range(first, first + n)]
+
+    def _settles(self, n: int) -> list[PendingMarker]:
+        now = to_millis(SystemClock().now())
+        out = [self._batch(b, settle=True, now=now) for b in range(self.oldest, self.oldest + n)]
+        self.oldest += n
+        return out
+
+    async def apply(self, markers: list[PendingMarker]) -> None:
+        now = to_millis(SystemClock().now())
+        await self.store.apply(self.markers_topic, {}, markers, policy_for, now)
+
+    async def grow_to(self, size: int) -> float:
+        """Seed range STARTs until ``size`` messages are in flight; returns messages/s."""
+        watch = Stopwatch()
+        added = 0
+        while self.size < size:
+            n = max(1, min(SEED_RANGES, (size - self.size) // WIDTH))
+            await self.apply(self._starts(n))
+            self.size += n * WIDTH
+            added += n * WIDTH
+        return added / watch.seconds if added else float("nan")
+
+    async def ingest_op(self) -> float:
+        """Seconds per message covered: 2 range STARTs of new batches + 2 SETTLEs of old ones."""
+        batch = self._starts(OP_RANGES) + self._settles(OP_RANGES)
+        watch = Stopwatch()
+        await self.apply(batch)
+        return watch.seconds / (2 * OP_RANGES * WIDTH)
+
+    async def due_scan_op(self, far: int) -> tuple[float, float, int]:
+        """(next_due_ms seconds, claim_due seconds for up to 1,000, messages claimed)."""
+        watch = Stopwatch()
+        await self.store.next_due_ms(range(PARTITIONS))
+        next_due = watch.seconds
+        watch = Stopwatch()
+        claimed, _ = await self.store.claim_due(
+            self.markers_topic,
+            epochs=self.epochs,
+            due_by=dict.fromkeys(range(PARTITIONS), far),
+            now_ms=far,
+            limit=OP_CLAIM,
+            lease_ms=DAY_MS * 365,
+            token=unique("bench"),
+        )
+        return next_due, watch.seconds, len(claimed)
+
+
+async def run(
+    infra: Infra,
+    *,
+    sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000, 10_000_000),
+    stores: tuple[str, ...] = ("sqlite", "postgres"),
+    reps: int = 7,
+    api_requests: int = 20,
+) -> ScenarioResult:
+    result = ScenarioResult(
+        "scale_ranges", "4b. Scale with range markers: messages in flight, 10k to 10M"
+    )
+    logging.getLogger("tracker").setLevel(logging.ERROR)
+    bootstrap = infra.bootstrap
+    for store_name in stores:
+        queue = await create_topic(bootstrap, unique("bench-s4b-queue"), PARTITIONS)
+        markers = await create_topic(bootstrap, unique("bench-s4b-markers"), PARTITIONS)
+        url = infra.database_url(store_name, unique("s4b"))
+        store = Store.from_url(url)
+        series: list[dict[str, Any]] = []
+        proc: TrackerProcess | None = None
+        try:
+            await upgrade(store.engine)
+            seeder = RangeSeeder(store, markers, queue)
+            settings = {
+                "kafka_bootstrap_servers": bootstrap,
+                "database_url": url,
+                "markers_topic": markers,
+                "markers_partitions": PARTITIONS,
+                "tracker_group": unique("bench-s4b-tracker"),
+                "replica_id": "bench-s4b",
+            }
+            proc = TrackerProcess(
+                settings, _free_port(), infra.scratch / f"tracker-ranges-{store_name}.log"
+            )
+            await proc.start()
+            await seeder.load_epochs()
+            async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
+                for size in sizes:
+                    seed_rate = await seeder.grow_to(size)
+                    ingest = [await seeder.ingest_op() for _ in range(reps)]
+                    far = to_millis(SystemClock().now()) + 365 * DAY_MS
+                    scans = [await seeder.due_scan_op(far) for _ in range(reps)]
+                    point: dict[str, Any] = {
+                        "size": size,
+                        "seed_rate": seed_rate,
+                        "ingest_us_per_message": median(ingest) * 1e6,
+                        "next_due_ms": median([s[0] for s in scans]) * 1000,
+                        "claim_due_ms": median([s[1] for s in scans]) * 1000,
+                        "claimed": min(s[2] for s in scans),
+                    }
+                    for name, path in ENDPOINTS.items():
+                        latencies = await sequential(client, path(queue), api_requests)
+                        point[f"api_{name}_ms"] = median(latencies) * 1000
+                    point["rss_mb"], point["rss_peak_mb"] = proc.rss()
+                    series.append(point)
+                    print(
+                        f"  {store_name} {size:>11,} in flight: ingest "
+                        f"{point['ingest_us_per_message']:.2f} us/message, claim "
+                        f"{point['claim_due_ms']:.1f} ms, list {point['api_list_ms']:.1f} ms, "
+                        f"stats {point['api_stats_ms']:.1f} ms, RSS {point['rss_mb']:.0f} MB",
+                        flush=True,
+                    )
+        finally:
+            if proc is not None:
+                await proc.stop()
+            await store.close()
+            await delete_topics(bootstrap, [queue, markers])
+        result.data[store_name] = series
+        _figures(result, store_name, series)
+    return result
+
+
+def _figures(result: ScenarioResult, store: str, series: list[dict[str, Any]]) -> None:
+    first, last = series[0], series[-1]
+    span = f"{first['size']:,} -> {last['size']:,} in flight"
+    for key, label in (
+        ("ingest_us_per_message", "ingest per message covered"),
+        ("next_due_ms", "due-scan: next_due_ms"),
+        ("claim_due_ms", "due-scan: claim_due of 1,000"),
+        ("api_list_ms", "API list (key order)"),
+        ("api_list_due_ms", "API list (in_flight by due)"),
+        ("api_stats_ms", "API topic stats"),
+    ):
+        ratio = last[key] / first[key] if first[key] else float("nan")
+        result.add(
+            Figure(
+                f"{store} ranges: {label}, largest/smallest",
+                ratio,
+                "x",
+                1.5,
+                "<=",
+                note=f"{span}: {first[key]:.3g} -> {last[key]:.3g}",
+            )
+        )
+    peak = max(p["rss_peak_mb"] for p in series)
+    result.add(
+        Figure(
+            f"{store} ranges: tracker peak RSS at {last['size']:,} in flight",
+            peak,
+            "MB",
+            256,
+            "<=",
+            note=f"VmHWM of the tracker+API process; {last['size'] // WIDTH:,} ranges",
+        )
+    )
