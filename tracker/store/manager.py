@@ -763,16 +763,20 @@ class Store:
     async def _expand_due_ranges(
         self, conn: AsyncConnection, due_by: dict[int, int], limit: int
     ) -> None:
-        """Turn up to ``limit`` due ranges into per-message entries, due when they were.
+        """Turn the earliest due ranges, about ``limit`` offsets of them, into entries.
 
         An expired range redelivers exactly its open offsets, and redelivery is per message
         (every copy is a record of its own, with its own attempt), so this is where a range
         ends: its offsets become ordinary in-flight entries of attempt 1, which the due query
         that follows claims like any other. The counters do not move (in flight either way).
+
+        Ranges are taken in due order until their open offsets reach ``limit`` (at least
+        one range): a claim of 1,000 must not turn 1,000 ranges of 500 offsets each into
+        half a million rows. Ranges left for later are due no earlier than those taken.
         """
         r = ranges_table.c
         columns = [r[name] for name in RANGE_COLUMN_NAMES]
-        due: list[TrackedRange] = []
+        candidates: list[TrackedRange] = []
         for group in chunks(sorted(due_by.items()), _DUE_QUERY_PARTITIONS):
             rows = await conn.execute(
                 select(*columns)
@@ -780,9 +784,17 @@ class Store:
                 .order_by(r.due_at_ms)
                 .limit(limit)
             )
-            due += [TrackedRange.from_row(row) for row in rows]
-        if not due:
+            candidates += [TrackedRange.from_row(row) for row in rows]
+        if not candidates:
             return
+        candidates.sort(key=lambda t: (t.due_at_ms, t.key))
+        due: list[TrackedRange] = []
+        offsets = 0
+        for tracked_range in candidates:
+            if offsets >= limit:
+                break
+            due.append(tracked_range)
+            offsets += tracked_range.open_count
         rows_out = sorted(
             (_row_from_entry(t.entry_at(offset)) for t in due for offset in t.offsets()),
             key=_ROW_KEY,
