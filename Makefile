@@ -57,7 +57,7 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	touch $@
 
 .PHONY: bench
-bench: $(VENV)/.bench-installed postgres ## Benchmarks (~15 min): bench/results/<date>.json, docs/benchmarks.md
+bench: $(VENV)/.bench-installed postgres ## Benchmarks (~25 min): bench/results/<date>.json, docs/benchmarks.md
 	$(PY) -m bench $(BENCH_ARGS)
 
 .PHONY: bench-smoke

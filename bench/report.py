@@ -182,18 +182,12 @@ def _plot_redelivery(data: dict[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
-def _plot_scale(data: dict[str, Any], path: Path) -> None:
+def _plot_store_series(
+    data: dict[str, Any], path: Path, keys: tuple[tuple[str, str], ...], title: str
+) -> None:
+    """One panel per figure, one line per store, against the store size (log scale)."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    keys = (
-        ("ingest_us_per_marker", "ingest (us/marker)"),
-        ("claim_due_ms", "claim_due 1,000 (ms)"),
-        ("next_due_ms", "next_due_ms (ms)"),
-        ("api_list_ms", "API list (ms)"),
-        ("api_list_due_ms", "API list by due (ms)"),
-        ("api_stats_ms", "API stats (ms)"),
-        ("rss_mb", "tracker RSS (MB)"),
-    )
     fig, axes = plt.subplots(2, 4, figsize=(14, 6))
     for ax, (key, label) in zip(axes.flat, keys, strict=False):
         for store, series in data.items():
@@ -203,33 +197,29 @@ def _plot_scale(data: dict[str, Any], path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.legend()
     axes.flat[-1].axis("off")
-    fig.suptitle("Cost per operation vs tracked entries")
+    fig.suptitle(title)
     _save(fig, path)
+
+
+_STORE_PANELS = (
+    ("claim_due_ms", "claim_due 1,000 (ms)"),
+    ("next_due_ms", "next_due_ms (ms)"),
+    ("api_list_ms", "API list (ms)"),
+    ("api_list_due_ms", "API list by due (ms)"),
+    ("api_stats_ms", "API stats (ms)"),
+    ("rss_mb", "tracker RSS (MB)"),
+)
+
+
+def _plot_scale(data: dict[str, Any], path: Path) -> None:
+    keys = (("ingest_us_per_marker", "ingest (us/marker)"), *_STORE_PANELS)
+    _plot_store_series(data, path, keys, "Cost per operation vs tracked entries")
 
 
 def _plot_scale_ranges(data: dict[str, Any], path: Path) -> None:
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    keys = (
-        ("ingest_us_per_message", "ingest (us/message covered)"),
-        ("claim_due_ms", "claim_due 1,000 (ms)"),
-        ("next_due_ms", "next_due_ms (ms)"),
-        ("api_list_ms", "API list (ms)"),
-        ("api_list_due_ms", "API list by due (ms)"),
-        ("api_stats_ms", "API stats (ms)"),
-        ("rss_mb", "tracker RSS (MB)"),
-    )
-    fig, axes = plt.subplots(2, 4, figsize=(14, 6))
-    for ax, (key, label) in zip(axes.flat, keys, strict=False):
-        for store, series in data.items():
-            ax.plot([p["size"] for p in series], [p[key] for p in series], "o-", label=store)
-        ax.set_xscale("log")
-        ax.set_title(label)
-        ax.set_ylim(bottom=0)
-        ax.legend()
-    axes.flat[-1].axis("off")
-    fig.suptitle("Cost per operation vs messages in flight, range markers (500 per range)")
-    _save(fig, path)
+    keys = (("ingest_us_per_message", "ingest (us/message covered)"), *_STORE_PANELS)
+    title = "Cost per operation vs messages in flight, range markers (500 per range)"
+    _plot_store_series(data, path, keys, title)
 
 
 def _plot_api(data: dict[str, Any], path: Path) -> None:

@@ -20,11 +20,13 @@ for ``api_seconds`` each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import httpx
 
@@ -232,6 +234,80 @@ ENDPOINTS: dict[str, Callable[[str], str]] = {
 }
 
 
+class StoreSeeder(Protocol):
+    """What :func:`measure` asks of a seeder (per-message here, ranges in scale_ranges)."""
+
+    async def grow_to(self, size: int) -> float: ...
+    async def ingest_op(self) -> float: ...
+    async def due_scan_op(self, far: int) -> tuple[float, float, int]: ...
+
+
+@dataclass
+class Replica:
+    """A fresh store with a tracker replica (and its admin API) running on it."""
+
+    store: Store
+    queue: str
+    markers: str
+    proc: TrackerProcess
+    client: httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def replica_on_fresh_store(infra: Infra, store_name: str, tag: str) -> AsyncIterator[Replica]:
+    """Topics, a migrated store and a tracker replica subprocess; all removed afterwards."""
+    bootstrap = infra.bootstrap
+    queue = await create_topic(bootstrap, unique(f"bench-{tag}-queue"), PARTITIONS)
+    markers = await create_topic(bootstrap, unique(f"bench-{tag}-markers"), PARTITIONS)
+    url = infra.database_url(store_name, unique(tag))
+    store = Store.from_url(url)
+    proc: TrackerProcess | None = None
+    try:
+        await upgrade(store.engine)
+        settings = {
+            "kafka_bootstrap_servers": bootstrap,
+            "database_url": url,
+            "markers_topic": markers,
+            "markers_partitions": PARTITIONS,
+            "tracker_group": unique(f"bench-{tag}-tracker"),
+            "replica_id": f"bench-{tag}",
+        }
+        proc = TrackerProcess(
+            settings, _free_port(), infra.scratch / f"tracker-{tag}-{store_name}.log"
+        )
+        await proc.start()
+        async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
+            yield Replica(store, queue, markers, proc, client)
+    finally:
+        if proc is not None:
+            await proc.stop()
+        await store.close()
+        await delete_topics(bootstrap, [queue, markers])
+
+
+async def measure(
+    seeder: StoreSeeder, replica: Replica, size: int, reps: int, api_requests: int, ingest_key: str
+) -> dict[str, Any]:
+    """Grow to ``size``, then time ingest, the due-scan and the endpoints (medians), and RSS."""
+    seed_rate = await seeder.grow_to(size)
+    ingest = [await seeder.ingest_op() for _ in range(reps)]
+    far = to_millis(SystemClock().now()) + 365 * DAY_MS
+    scans = [await seeder.due_scan_op(far) for _ in range(reps)]
+    point: dict[str, Any] = {
+        "size": size,
+        "seed_rate": seed_rate,
+        ingest_key: median(ingest) * 1e6,
+        "next_due_ms": median([s[0] for s in scans]) * 1000,
+        "claim_due_ms": median([s[1] for s in scans]) * 1000,
+        "claimed": min(s[2] for s in scans),
+    }
+    for name, path in ENDPOINTS.items():
+        latencies = await sequential(replica.client, path(replica.queue), api_requests)
+        point[f"api_{name}_ms"] = median(latencies) * 1000
+    point["rss_mb"], point["rss_peak_mb"] = replica.proc.rss()
+    return point
+
+
 async def run(
     infra: Infra,
     *,
@@ -247,69 +323,30 @@ async def run(
     scale = ScenarioResult("scale", "4. Scale: per-operation cost from small to large stores")
     api = ScenarioResult("api_load", "5. Admin API under load (ingest running)")
     logging.getLogger("tracker").setLevel(logging.ERROR)
-    bootstrap = infra.bootstrap
     for store_name in stores:
         store_sizes = sizes + (postgres_extra if store_name == "postgres" else ())
-        queue = await create_topic(bootstrap, unique("bench-s4-queue"), PARTITIONS)
-        markers = await create_topic(bootstrap, unique("bench-s4-markers"), PARTITIONS)
-        url = infra.database_url(store_name, unique("s4"))
-        store = Store.from_url(url)
         series: list[dict[str, Any]] = []
-        proc: TrackerProcess | None = None
-        try:
-            await upgrade(store.engine)
-            seeder = Seeder(store, markers, queue)
-            settings = {
-                "kafka_bootstrap_servers": bootstrap,
-                "database_url": url,
-                "markers_topic": markers,
-                "markers_partitions": PARTITIONS,
-                "tracker_group": unique("bench-s4-tracker"),
-                "replica_id": "bench-s4",
-            }
-            # One tracker replica (with its API) runs on the store throughout, as it grows.
-            proc = TrackerProcess(
-                settings, _free_port(), infra.scratch / f"tracker-{store_name}.log"
-            )
-            await proc.start()
+        async with replica_on_fresh_store(infra, store_name, "s4") as replica:
+            seeder = Seeder(replica.store, replica.markers, replica.queue)
             await seeder.load_epochs()
-            async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
-                for size in store_sizes:
-                    seed_rate = await seeder.grow_to(size)
-                    ingest = [await seeder.ingest_op() for _ in range(reps)]
-                    far = to_millis(SystemClock().now()) + 365 * DAY_MS
-                    scans = [await seeder.due_scan_op(far) for _ in range(reps)]
-                    point: dict[str, Any] = {
-                        "size": size,
-                        "seed_rate": seed_rate,
-                        "ingest_us_per_marker": median(ingest) * 1e6,
-                        "next_due_ms": median([s[0] for s in scans]) * 1000,
-                        "claim_due_ms": median([s[1] for s in scans]) * 1000,
-                        "claimed": min(s[2] for s in scans),
-                    }
-                    for name, path in ENDPOINTS.items():
-                        latencies = await sequential(client, path(queue), api_requests)
-                        point[f"api_{name}_ms"] = median(latencies) * 1000
-                    point["rss_mb"], point["rss_peak_mb"] = proc.rss()
-                    if size == store_sizes[-1]:
-                        api.data[store_name] = await _api_load(
-                            infra, client, markers, queue, seeder, size,
-                            api_seconds, concurrency, load_rate,
-                        )  # fmt: skip
-                        point["rss_after_load_mb"], point["rss_peak_mb"] = proc.rss()
-                    series.append(point)
-                    print(
-                        f"  {store_name} {size:>10,}: ingest "
-                        f"{point['ingest_us_per_marker']:.1f} us/marker, claim "
-                        f"{point['claim_due_ms']:.1f} ms, list {point['api_list_ms']:.1f} ms, "
-                        f"stats {point['api_stats_ms']:.1f} ms, RSS {point['rss_mb']:.0f} MB",
-                        flush=True,
-                    )
-        finally:
-            if proc is not None:
-                await proc.stop()
-            await store.close()
-            await delete_topics(bootstrap, [queue, markers])
+            for size in store_sizes:
+                point = await measure(
+                    seeder, replica, size, reps, api_requests, "ingest_us_per_marker"
+                )
+                if size == store_sizes[-1]:
+                    api.data[store_name] = await _api_load(
+                        infra, replica.client, replica.markers, replica.queue, seeder, size,
+                        api_seconds, concurrency, load_rate,
+                    )  # fmt: skip
+                    point["rss_after_load_mb"], point["rss_peak_mb"] = replica.proc.rss()
+                series.append(point)
+                print(
+                    f"  {store_name} {size:>10,}: ingest "
+                    f"{point['ingest_us_per_marker']:.1f} us/marker, claim "
+                    f"{point['claim_due_ms']:.1f} ms, list {point['api_list_ms']:.1f} ms, "
+                    f"stats {point['api_stats_ms']:.1f} ms, RSS {point['rss_mb']:.0f} MB",
+                    flush=True,
+                )
         scale.data[store_name] = series
         _scale_figures(scale, store_name, series)
         _api_figures(api, store_name, api.data[store_name])

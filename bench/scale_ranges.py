@@ -19,13 +19,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import httpx
-
 from tracker.clock import SystemClock, to_millis
 from tracker.partitioning import markers_partition
 from tracker.store import Store
 from tracker.store.manager import PendingMarker
-from tracker.store.migrate import upgrade
 
 from . import markers as mk
 from .common import (
@@ -33,13 +30,9 @@ from .common import (
     Infra,
     ScenarioResult,
     Stopwatch,
-    create_topic,
-    delete_topics,
-    median,
     unique,
 )
-from .scale import DAY_MS, ENDPOINTS, PARTITIONS, _free_port, policy_for, sequential
-from .tracker_proc import TrackerProcess
+from .scale import DAY_MS, PARTITIONS, measure, policy_for, replica_on_fresh_store
 
 #: Offsets per range: a fetched batch of a partition (aiokafka's default max_records is 500).
 WIDTH = 500
@@ -139,61 +132,23 @@ async def run(
         "scale_ranges", "4b. Scale with range markers: messages in flight, 10k to 10M"
     )
     logging.getLogger("tracker").setLevel(logging.ERROR)
-    bootstrap = infra.bootstrap
     for store_name in stores:
-        queue = await create_topic(bootstrap, unique("bench-s4b-queue"), PARTITIONS)
-        markers = await create_topic(bootstrap, unique("bench-s4b-markers"), PARTITIONS)
-        url = infra.database_url(store_name, unique("s4b"))
-        store = Store.from_url(url)
         series: list[dict[str, Any]] = []
-        proc: TrackerProcess | None = None
-        try:
-            await upgrade(store.engine)
-            seeder = RangeSeeder(store, markers, queue)
-            settings = {
-                "kafka_bootstrap_servers": bootstrap,
-                "database_url": url,
-                "markers_topic": markers,
-                "markers_partitions": PARTITIONS,
-                "tracker_group": unique("bench-s4b-tracker"),
-                "replica_id": "bench-s4b",
-            }
-            proc = TrackerProcess(
-                settings, _free_port(), infra.scratch / f"tracker-ranges-{store_name}.log"
-            )
-            await proc.start()
+        async with replica_on_fresh_store(infra, store_name, "s4b") as replica:
+            seeder = RangeSeeder(replica.store, replica.markers, replica.queue)
             await seeder.load_epochs()
-            async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
-                for size in sizes:
-                    seed_rate = await seeder.grow_to(size)
-                    ingest = [await seeder.ingest_op() for _ in range(reps)]
-                    far = to_millis(SystemClock().now()) + 365 * DAY_MS
-                    scans = [await seeder.due_scan_op(far) for _ in range(reps)]
-                    point: dict[str, Any] = {
-                        "size": size,
-                        "seed_rate": seed_rate,
-                        "ingest_us_per_message": median(ingest) * 1e6,
-                        "next_due_ms": median([s[0] for s in scans]) * 1000,
-                        "claim_due_ms": median([s[1] for s in scans]) * 1000,
-                        "claimed": min(s[2] for s in scans),
-                    }
-                    for name, path in ENDPOINTS.items():
-                        latencies = await sequential(client, path(queue), api_requests)
-                        point[f"api_{name}_ms"] = median(latencies) * 1000
-                    point["rss_mb"], point["rss_peak_mb"] = proc.rss()
-                    series.append(point)
-                    print(
-                        f"  {store_name} {size:>11,} in flight: ingest "
-                        f"{point['ingest_us_per_message']:.2f} us/message, claim "
-                        f"{point['claim_due_ms']:.1f} ms, list {point['api_list_ms']:.1f} ms, "
-                        f"stats {point['api_stats_ms']:.1f} ms, RSS {point['rss_mb']:.0f} MB",
-                        flush=True,
-                    )
-        finally:
-            if proc is not None:
-                await proc.stop()
-            await store.close()
-            await delete_topics(bootstrap, [queue, markers])
+            for size in sizes:
+                point = await measure(
+                    seeder, replica, size, reps, api_requests, "ingest_us_per_message"
+                )
+                series.append(point)
+                print(
+                    f"  {store_name} {size:>11,} in flight: ingest "
+                    f"{point['ingest_us_per_message']:.2f} us/message, claim "
+                    f"{point['claim_due_ms']:.1f} ms, list {point['api_list_ms']:.1f} ms, "
+                    f"stats {point['api_stats_ms']:.1f} ms, RSS {point['rss_mb']:.0f} MB",
+                    flush=True,
+                )
         result.data[store_name] = series
         _figures(result, store_name, series)
     return result
