@@ -201,7 +201,7 @@ async def test_body_numbers_and_flags_sent_as_strings_are_refused(env: ApiEnv) -
         single = await client.post("/v1/markers", json=marker)
         assert expected in refusal(single, "body", "marker", name), marker
         batch = await client.post("/v1/markers", json={"markers": [MARKER, marker]})
-        assert expected in refusal(batch, "body", "batch", "markers", 1, name), marker
+        assert expected in refusal(batch, "body", "batch", "markers", 1, "marker", name), marker
     # A position as a string of digits is a position: int64 offsets are JSON strings in many
     # stacks (kafkajs, protobuf's JSON mapping), and the sidecar serves those clients.
     as_text = {**MARKER, "partition": "0", "offset": "9223372036854775806"}
