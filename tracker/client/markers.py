@@ -191,6 +191,10 @@ class KafkaMarkerSink:
                 delivered.append(await producer.send_batch(batch, topic, partition=partition))
             except KafkaError as exc:
                 done.set_exception(MarkerWriteFailed(f"cannot queue markers: {exc!r}"))
+                # Batches of the group queued before the failure still get an outcome;
+                # the group has failed either way (its writers send again or redeliver).
+                for future in delivered:
+                    future.add_done_callback(_observe)
                 continue
             except BaseException as exc:  # cancelled, or a bug: nobody may wait forever
                 if not done.done():
@@ -274,6 +278,9 @@ def _resolve(done: asyncio.Future[None]) -> Callable[[asyncio.Future[list[Any]]]
     def resolve(delivered: asyncio.Future[list[Any]]) -> None:
         if done.done():
             return
+        if delivered.cancelled():  # the producer was stopped under it
+            done.set_exception(MarkerWriteFailed("marker delivery was cancelled"))
+            return
         exc = delivered.exception()
         if exc is None:
             done.set_result(None)
@@ -281,6 +288,12 @@ def _resolve(done: asyncio.Future[None]) -> Callable[[asyncio.Future[list[Any]]]
             done.set_exception(MarkerWriteFailed(f"marker not acknowledged by the broker: {exc!r}"))
 
     return resolve
+
+
+def _observe(future: asyncio.Future[Any]) -> None:
+    """Take a future's outcome so that an exception nobody awaits is not reported as lost."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _warn_unacknowledged(exc: BaseException | None) -> None:
