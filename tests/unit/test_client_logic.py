@@ -8,9 +8,10 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from tracker.client.markers import KafkaMarkerSink
-from tracker.client.message import KmqMessage
+from tracker.client.message import KmqMessage, MessageContext
 from tracker.client.planning import Action, SeenCopies, plan_batch
 from tracker.client.producer import resolve_deliver_at
+from tracker.client.ranges import RangeBook
 from tracker.clock import ManualClock, to_millis
 from tracker.errors import AlreadySettled, InvalidDelay, InvalidHeader, MarkerError
 from tracker.headers import KmqHeaders, format_deliver_at, without_kmq_headers
@@ -145,10 +146,9 @@ def _message(sink: InMemoryMarkerSink, record: Record | None = None) -> KmqMessa
     kmq = KmqHeaders.parse(record.headers)
     return KmqMessage(
         record,
+        MessageContext("billing", sink, RangeBook(sink.send_later)),
         origin=kmq.origin or MessageId(record.topic, record.partition, record.offset),
         attempt=kmq.attempt,
-        group="billing",
-        sink=sink,
     )
 
 

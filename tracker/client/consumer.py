@@ -43,7 +43,7 @@ from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker, Marker
 from tracker.protocol_v2 import RangeMarker
 
 from .markers import KafkaMarkerSink, MarkerSink
-from .message import KmqMessage
+from .message import KmqMessage, MessageContext, messages_of
 from .pipeline import StartPipeline
 from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
 from .ranges import OPEN, RangeBook
@@ -159,9 +159,12 @@ class KmqConsumer:
         self._sink: MarkerSink = marker_sink
         self.marker_version = marker_version
         self._book = RangeBook(self._sink.send_later)
+        self._context = MessageContext(group_id, self._sink, self._book)
         self._pipeline: StartPipeline | None = None
         self._pipeline_depth = pipeline_depth
         self._committing: asyncio.Task[None] | None = None
+        #: offsets of batches handed over, not yet in a commit request
+        self._to_commit: dict[Any, OffsetAndMetadata] = {}
         #: handed-over messages settled per message (copies): what ack_all must ack
         self._loose: list[KmqMessage] = []
         self._running = False
@@ -350,33 +353,41 @@ class KmqConsumer:
             self._seen.clear()
 
     def _commit_soon(self, fetched: dict[Any, list[Any]]) -> None:
-        """Commit past ``fetched`` once the commits before it are done (in order)."""
-        offsets = {
-            tp: OffsetAndMetadata(batch[-1].offset + 1, "")
-            for tp, batch in fetched.items()
-            if batch
-        }
-        self._committing = asyncio.get_running_loop().create_task(
-            self._commit_after(self._committing, offsets), name="kmq-commit"
-        )
+        """Commit past ``fetched`` soon, without waiting for it.
 
-    async def _commit_after(
-        self, previous: asyncio.Task[None] | None, offsets: dict[Any, OffsetAndMetadata]
-    ) -> None:
-        if previous is not None:
-            with contextlib.suppress(Exception):
-                await previous
-        try:
-            await self._consumer.commit(offsets)
-        except KafkaError as exc:
-            log.warning(
-                "offset commit failed (%r); the batch is covered by its STARTs and will be "
-                "read again by the partition's next owner",
-                exc,
+        One commit is in flight at a time; batches handed over meanwhile only move the
+        offsets the next one carries (a later batch's offset replaces an earlier one's), so a
+        fast application costs one OffsetCommit per round trip, not one per batch.
+        """
+        to_commit = self._to_commit
+        for tp, batch in fetched.items():
+            if batch:
+                to_commit[tp] = OffsetAndMetadata(batch[-1].offset + 1, "")
+        if self._committing is None or self._committing.done():
+            self._committing = asyncio.get_running_loop().create_task(
+                self._commit_pending(), name="kmq-commit"
             )
 
+    async def _commit_pending(self) -> None:
+        while self._to_commit:
+            offsets, self._to_commit = self._to_commit, {}
+            # A partition revoked since its batch was handed over is the next owner's to
+            # read again (its messages are covered by their STARTs); the rest is committed.
+            assigned = self._consumer.assignment()
+            offsets = {tp: offset for tp, offset in offsets.items() if tp in assigned}
+            if not offsets:
+                continue
+            try:
+                await self._consumer.commit(offsets)
+            except KafkaError as exc:
+                log.warning(
+                    "offset commit failed (%r); the batch is covered by its STARTs and will "
+                    "be read again by the partition's next owner",
+                    exc,
+                )
+
     async def _committed(self) -> None:
-        """Wait for the commits in flight (before leaving the group)."""
+        """Wait for the commits in flight and pending (before leaving the group)."""
         task, self._committing = self._committing, None
         if task is not None:
             with contextlib.suppress(Exception):
@@ -389,7 +400,7 @@ class KmqConsumer:
             for marker in prepared.extensions(self._timeout_ms):
                 self._sink.send_later(marker)
         messages: list[KmqMessage] = []
-        book, sink, group = self._book, self._sink, self.group_id
+        book, context = self._book, self._context
         if self._loose:
             self._loose = [m for m in self._loose if m.settled is None]
         for plan in prepared.plans:
@@ -397,35 +408,14 @@ class KmqConsumer:
             self.skipped += plan.skipped
             for whole in plan.ranges:
                 book.add(whole)
-            for record, opened, index, origin, attempt in plan.deliver:
-                message = KmqMessage(
-                    record,
-                    origin=origin,
-                    attempt=attempt,
-                    group=group,
-                    sink=sink,
-                    in_range=opened,
-                    index=index,
-                    book=book,
-                )
-                if opened is None:
-                    self._loose.append(message)
-                messages.append(message)
+            messages += messages_of(plan.deliver, context, self._loose)
         return messages
 
     def _hand_over(self, planned: list[Planned]) -> list[KmqMessage]:
         messages: list[KmqMessage] = []
         for p in planned:
             if p.action is Action.DELIVER:
-                messages.append(
-                    KmqMessage(
-                        p.record,
-                        origin=p.origin,
-                        attempt=p.attempt,
-                        group=self.group_id,
-                        sink=self._sink,
-                    )
-                )
+                messages.append(KmqMessage(p.record, self._context, None, p.origin, p.attempt))
             elif p.action is Action.DEFER:
                 self.deferred += 1
             else:
@@ -519,8 +509,9 @@ class _Prepared:
                             exceptions=start.exceptions,
                         )
                     )
-            for record, opened, _, origin, attempt in plan.deliver:
+            for opened, records, origin, attempt in plan.deliver:
                 if opened is None:
+                    record = records[0]
                     message = MessageId(record.topic, record.partition, record.offset)
                     out.append(
                         Marker.extend(

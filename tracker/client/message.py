@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
+from itertools import repeat
 from typing import Any
 
 from tracker.clock import from_millis
@@ -15,6 +16,7 @@ from tracker.ids import MessageId
 from tracker.protocol import MAX_DELAY_MS, MAX_REASON_LENGTH, MAX_TIMEOUT_MS, Marker, MarkerKind
 
 from .markers import MarkerSink
+from .planning import Run
 from .ranges import ACKED, DIVERGED, OPEN, SENT, OpenRange, RangeBook
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,17 @@ def _millis(delta: timedelta, what: str, *, minimum: int, maximum: int) -> int:
     return ms
 
 
+class MessageContext:
+    """What every message of one consumer shares: its group, marker sink and range book."""
+
+    __slots__ = ("book", "group", "sink")
+
+    def __init__(self, group: str, sink: MarkerSink, book: RangeBook) -> None:
+        self.group = group
+        self.sink = sink
+        self.book = book
+
+
 class KmqMessage:
     """One record received through :class:`tracker.client.KmqConsumer`.
 
@@ -57,39 +70,28 @@ class KmqMessage:
     they are asked for.
     """
 
-    __slots__ = (
-        "_attempt",
-        "_book",
-        "_index",
-        "_origin",
-        "_range",
-        "_record",
-        "_settled",
-        "_sink",
-        "consumer_group",
-    )
+    __slots__ = ("_attempt", "_context", "_origin", "_range", "_record", "_settled")
 
     def __init__(
         self,
         record: Any,
-        *,
-        origin: MessageId | None,
-        attempt: int,
-        group: str,
-        sink: MarkerSink,
+        context: MessageContext,
         in_range: OpenRange | None = None,
-        index: int = 0,
-        book: RangeBook | None = None,
+        origin: MessageId | None = None,
+        attempt: int = 1,
     ) -> None:
+        # Positional, six slots: made once per record handed over, so it is kept to what
+        # differs per message (what the consumer's messages share is in ``context``).
         self._record = record
+        self._context = context
+        self._range = in_range  #: the range whose START covers it (None: settled per message)
         self._origin = origin  #: None: a first delivery, its own origin
         self._attempt = attempt
-        self.consumer_group = group
-        self._sink = sink
-        self._range = in_range
-        self._index = index
-        self._book = book
         self._settled: MarkerKind | None = None
+
+    @property
+    def consumer_group(self) -> str:
+        return self._context.group
 
     # -- identity -------------------------------------------------------------------------
 
@@ -149,8 +151,9 @@ class KmqMessage:
     @property
     def settled(self) -> MarkerKind | None:
         """How the message was settled (ACK, DELAY or REJECT), or None while in progress."""
-        if self._settled is None and self._range is not None:
-            flag = self._range.flags[self._index]
+        opened = self._range
+        if self._settled is None and opened is not None:
+            flag = opened.flags[self._record.offset - opened.first]
             if flag in (ACKED, SENT):
                 return MarkerKind.ACK
         return self._settled
@@ -176,11 +179,11 @@ class KmqMessage:
 
     async def _write(self, marker: Marker, wait: bool) -> None:
         if wait:
-            await (await self._sink.send(marker))
+            await (await self._context.sink.send(marker))
         else:
             # Sent with the next batch; a failure is logged, and the tracker will redeliver
             # the message (at-least-once), so nothing is lost.
-            self._sink.send_later(marker)
+            self._context.sink.send_later(marker)
 
     def _settle(self, kind: MarkerKind) -> None:
         settled = self.settled
@@ -191,27 +194,31 @@ class KmqMessage:
 
     def _diverge(self) -> None:
         """Keep this message out of its batch's RANGE_SETTLE (a v1 marker settles it)."""
-        if self._range is not None:
-            self._range.flags[self._index] = DIVERGED
+        opened = self._range
+        if opened is not None:
+            opened.flags[self._record.offset - opened.first] = DIVERGED
 
     async def ack(self, *, wait: bool = False) -> None:
         """Processing succeeded: the message is done."""
         opened = self._range
-        if opened is not None and self._book is not None and self._settled is None:
+        if opened is not None and self._settled is None:
             flags = opened.flags
-            if flags[self._index] == OPEN:  # the common case: one byte, no marker
-                flags[self._index] = ACKED
-                self._book.acked(opened)
+            index = self._record.offset - opened.first
+            if flags[index] == OPEN:  # the common case: one byte, no marker
+                flags[index] = ACKED
+                book = self._context.book
+                if not opened.queued:  # queued: its SETTLE (and the book's timer) is due
+                    book.acked(opened)
                 if wait:
                     try:
-                        await self._sink.send_all(self._book.take())
+                        await self._context.sink.send_all(book.take())
                     except MarkerWriteFailed:
-                        opened.flags[self._index] = OPEN  # not settled: the caller may retry
+                        opened.flags[index] = OPEN  # not settled: the caller may retry
                         raise
                 return
         self._settle(MarkerKind.ACK)
         marker = Marker.ack(
-            self.consumer_group, self.id, attempt=self.attempt, origin=self._origin_field()
+            self._context.group, self.id, attempt=self.attempt, origin=self._origin_field()
         )
         await self._write(marker, wait)
         self._settled = MarkerKind.ACK
@@ -227,7 +234,7 @@ class KmqMessage:
             else _millis(delay, "retry delay", minimum=0, maximum=MAX_DELAY_MS)
         )
         marker = Marker.delay(
-            self.consumer_group,
+            self._context.group,
             self.id,
             attempt=self.attempt,
             origin=self._origin_field(),
@@ -248,7 +255,7 @@ class KmqMessage:
             raise AlreadySettled(f"message {self.id} is already settled; cannot extend it")
         timeout_ms = _millis(by, "extension", minimum=1, maximum=MAX_TIMEOUT_MS)
         marker = Marker.extend(
-            self.consumer_group,
+            self._context.group,
             self.id,
             attempt=self.attempt,
             origin=self._origin_field(),
@@ -260,7 +267,7 @@ class KmqMessage:
         """The message is poison: dead-letter it now, with ``reason``."""
         self._settle(MarkerKind.REJECT)
         marker = Marker.reject(
-            self.consumer_group,
+            self._context.group,
             self.id,
             attempt=self.attempt,
             origin=self._origin_field(),
@@ -291,3 +298,22 @@ class KmqMessage:
         else:
             if self.settled is None:
                 await self.ack()
+
+
+def messages_of(
+    runs: Iterable[Run], context: MessageContext, loose: list[KmqMessage]
+) -> list[KmqMessage]:
+    """The messages of a planned batch's runs, in fetch order.
+
+    A run that a range covers becomes its messages without a loop in Python; a message
+    settled per message (a copy) is appended to ``loose`` too (what ``ack_all`` must ack).
+    """
+    messages: list[KmqMessage] = []
+    for opened, records, origin, attempt in runs:
+        if opened is not None:
+            messages += map(KmqMessage, records, repeat(context), repeat(opened))
+        else:
+            message = KmqMessage(records[0], context, None, origin, attempt)
+            loose.append(message)
+            messages.append(message)
+    return messages

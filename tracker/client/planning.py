@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -163,6 +164,15 @@ def plan_batch(
     return planned
 
 
+#: One run of messages to hand over, in fetch order: ``(open range, records, None, 1)`` for
+#: consecutive first deliveries that one range covers, ``(None, [record], origin, attempt)``
+#: for a message settled per message (a copy). Runs, not one entry per record: the common
+#: batch is one run, handed over without a loop in Python.
+Run = tuple[OpenRange | None, Sequence[Any], MessageId | None, int]
+
+_headers = operator.attrgetter("headers")
+
+
 @dataclass(slots=True)
 class RangePlan:
     """One fetched partition batch planned for protocol v2.
@@ -170,15 +180,12 @@ class RangePlan:
     ``ranges``: the batch's first deliveries as :class:`OpenRange`s (one per
     ``MAX_RANGE_WIDTH`` offsets), whose RANGE_STARTs cover them; ``markers``: the v1 markers
     of the rest (a START naming its origin for each copy, a deferred DELAY for each delayed
-    message not due yet); ``deliver``: ``(record, open range or None, index, origin or None,
-    attempt)`` per message to hand over, in fetch order.
+    message not due yet); ``deliver``: the runs (:data:`Run`) of messages to hand over.
     """
 
     ranges: list[OpenRange] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
-    deliver: list[tuple[Any, OpenRange | None, int, MessageId | None, int]] = field(
-        default_factory=list
-    )
+    deliver: list[Run] = field(default_factory=list)
     deferred: int = 0
     skipped: int = 0
 
@@ -194,13 +201,21 @@ def plan_ranges(
 ) -> RangePlan:
     """Plan one partition's fetched records (ascending offsets) for range markers.
 
-    A record without headers is a first delivery: it only sets one byte of its range. A
-    record with headers goes through :func:`plan_batch`'s rules; a first delivery among them
-    joins the range too, anything else keeps its v1 marker.
+    A record without headers is a first delivery: it only sets one byte of its range, and a
+    batch of them without gaps (the common case: one check for the whole batch) is planned
+    without looking at its records one by one. A record with headers goes through
+    :func:`plan_batch`'s rules; a first delivery among them joins the range too, anything
+    else keeps its v1 marker.
     """
     plan = RangePlan()
-    last_offset = records[-1].offset if records else 0
+    if not records:
+        return plan
+    first_offset, last_offset = records[0].offset, records[-1].offset
+    if last_offset - first_offset + 1 == len(records) and not any(map(_headers, records)):
+        _plan_first_deliveries(plan, records, group)
+        return plan
     opened: OpenRange | None = None
+    current: list[Any] = []  #: the records of the last run, while it is a range's
     for record in records:
         offset = record.offset
         if record.headers:
@@ -222,13 +237,28 @@ def plan_ranges(
                 continue
             if planned.attempt != 1 or planned.origin != planned.message:
                 plan.markers.append(planned.marker)  # type: ignore[arg-type]
-                plan.deliver.append((record, None, 0, planned.origin, planned.attempt))
+                plan.deliver.append((None, [record], planned.origin, planned.attempt))
+                current = []
                 continue
         if opened is None or offset - opened.first >= MAX_RANGE_WIDTH:
             width = min(MAX_RANGE_WIDTH, last_offset - offset + 1)
             opened = OpenRange(group, record.topic, record.partition, offset, width)
             plan.ranges.append(opened)
-        index = offset - opened.first
-        opened.flags[index] = OPEN
-        plan.deliver.append((record, opened, index, None, 1))
+            current = []
+        opened.flags[offset - opened.first] = OPEN
+        if not current:
+            current = [record]
+            plan.deliver.append((opened, current, None, 1))
+        else:
+            current.append(record)
     return plan
+
+
+def _plan_first_deliveries(plan: RangePlan, records: Sequence[Any], group: str) -> None:
+    """Plan consecutive offsets that are all first deliveries: whole ranges, one run each."""
+    first, topic, partition = records[0].offset, records[0].topic, records[0].partition
+    for at in range(0, len(records), MAX_RANGE_WIDTH):
+        run = records if len(records) <= MAX_RANGE_WIDTH else records[at : at + MAX_RANGE_WIDTH]
+        opened = OpenRange(group, topic, partition, first + at, len(run), all_open=True)
+        plan.ranges.append(opened)
+        plan.deliver.append((opened, run, None, 1))

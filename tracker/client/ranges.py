@@ -25,9 +25,11 @@ DIVERGED = 2  #: retried or rejected: a v1 marker settles it; never in a SETTLE
 NOT_OURS = 3  #: not covered by this range's START (gap, copy, deferred, skipped)
 SENT = 4  #: acked, and a SETTLE covering it was queued
 
-#: ``bytes.translate`` table: ACKED -> "0" (covered by the SETTLE), anything else -> "1"
-#: (an exception), so the exceptions bitmask is one ``int(..., 2)`` of the reversed text.
-_EXCEPTIONS = bytes([ord("0") if i == ACKED else ord("1") for i in range(256)])
+#: ``bytes.translate`` tables to the exceptions of a marker: the flag that the marker covers
+#: -> "0", anything else -> "1" (an exception), so the bitmask is one ``int(..., 2)`` of the
+#: reversed text. A SETTLE covers the ACKED offsets, a START the OPEN ones.
+_NOT_ACKED = bytes([ord("0") if i == ACKED else ord("1") for i in range(256)])
+_NOT_OPEN = bytes([ord("0") if i == OPEN else ord("1") for i in range(256)])
 #: ACKED -> SENT, the rest unchanged.
 _MARK_SENT = bytes([SENT if i == ACKED else i for i in range(256)])
 
@@ -41,14 +43,25 @@ class OpenRange:
 
     __slots__ = ("first", "flags", "group", "partition", "queued", "topic")
 
-    def __init__(self, group: str, topic: str, partition: int, first: int, width: int) -> None:
+    def __init__(
+        self,
+        group: str,
+        topic: str,
+        partition: int,
+        first: int,
+        width: int,
+        *,
+        all_open: bool = False,
+    ) -> None:
         if not 0 < width <= MAX_RANGE_WIDTH:
             raise ValueError(f"a range covers 1 to {MAX_RANGE_WIDTH} offsets, not {width}")
         self.group = group
         self.topic = topic
         self.partition = partition
         self.first = first
-        self.flags = bytearray([NOT_OURS]) * width
+        #: ``all_open``: every offset is a message handed over (a batch without gaps, copies
+        #: or delayed messages: the common case, no byte set one by one)
+        self.flags = bytearray(width) if all_open else bytearray([NOT_OURS]) * width
         self.queued = False  #: in its book's list of ranges with acks to send
 
     @property
@@ -63,7 +76,7 @@ class OpenRange:
             self.partition,
             self.first,
             self.last,
-            exceptions=_bits(self.flags, OPEN),
+            exceptions=_bits(self.flags, _NOT_OPEN),
             timeout_ms=timeout_ms,
             consumer=consumer,
         )
@@ -77,15 +90,13 @@ class OpenRange:
         flags = self.flags
         if ACKED not in flags:
             return None
-        text = flags.translate(_EXCEPTIONS)
-        text.reverse()
         marker = RangeMarker.settle(
             self.group,
             self.topic,
             self.partition,
             self.first,
             self.last,
-            exceptions=int(text, 2),
+            exceptions=_bits(flags, _NOT_ACKED),
         )
         self.flags = flags.translate(_MARK_SENT)
         return marker
@@ -97,9 +108,9 @@ class OpenRange:
         return OPEN not in flags and ACKED not in flags
 
 
-def _bits(flags: bytearray, value: int) -> int:
-    """Bit ``i`` set where ``flags[i] != value``."""
-    table = bytes([ord("0") if i == value else ord("1") for i in range(256)])
+def _bits(flags: bytearray, table: bytes) -> int:
+    """The bitmask of ``flags`` turned into ``"0"``/``"1"`` by ``table``: bit ``i`` is
+    ``table[flags[i]]`` (one ``translate`` and one ``int(..., 2)``, no loop in Python)."""
     text = flags.translate(table)
     text.reverse()
     return int(text, 2)
