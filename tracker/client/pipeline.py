@@ -92,14 +92,20 @@ class StartPipeline:
                 self._run(), name="kmq-start-pipeline"
             )
         if self._head is None:
-            try:
-                self._head = await asyncio.wait_for(self._queue.get(), wait_s)
-            except TimeoutError:
-                return None
+            if not self._queue.empty():  # steady state: no waiting, no task per call
+                self._head = self._queue.get_nowait()
+            else:
+                try:
+                    self._head = await asyncio.wait_for(self._queue.get(), wait_s)
+                except TimeoutError:
+                    return None
         head = self._head
         if head.acked is not None:
             try:
-                await asyncio.shield(head.acked)
+                if head.acked.done():
+                    head.acked.result()
+                else:
+                    await asyncio.shield(head.acked)
             except (MarkerWriteFailed, KafkaError) as exc:
                 await self._read_again()
                 if isinstance(exc, MarkerWriteFailed):
