@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from operator import attrgetter
 from types import TracebackType
 from typing import Any, Self
 
@@ -47,6 +48,9 @@ from .message import KmqMessage, MessageContext, messages_of
 from .pipeline import StartPipeline
 from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
 from .ranges import OPEN, RangeBook
+
+#: aiokafka's default ``fetch_max_bytes`` (50 MiB, as the Java consumer's ``fetch.max.bytes``).
+AIOKAFKA_FETCH_MAX_BYTES = 52_428_800
 
 #: Versions of the marker protocol the client can write (docs/protocol.md).
 MARKER_VERSIONS = (1, 2)
@@ -88,6 +92,11 @@ class KmqConsumer:
     the application works on the current one: its lease starts then, and if it waited more
     than half its lease before being handed over, it is extended at hand-over. 1 writes one
     START and one ACK record per message, for trackers older than protocol v2.
+    ``pipeline_depth`` bounds how many fetched batches (of up to ``max_batch``) wait with
+    their STARTs in flight; within it the client keeps at most about a tenth of the lease
+    (one second at most) of the application's work waiting, measured from how fast it takes
+    batches, so a slow application has one batch fetched ahead, not ``pipeline_depth``; and
+    no more than ``fetch_max_bytes`` (``consumer_config``, 50 MiB by default) of values.
     """
 
     def __init__(
@@ -107,7 +116,7 @@ class KmqConsumer:
         producer_config: Mapping[str, Any] | None = None,
         marker_sink: MarkerSink | None = None,
         marker_version: int = 2,
-        pipeline_depth: int = 4,
+        pipeline_depth: int = 128,
     ) -> None:
         if pipeline_depth < 1:
             raise ValueError("pipeline_depth must be at least 1")
@@ -148,6 +157,10 @@ class KmqConsumer:
                 "group_id": group_id,
                 "enable_auto_commit": False,
             },
+        )
+        # aiokafka's own bound on a fetch; the pipeline holds no more than that ahead either.
+        self._fetch_max_bytes = int(
+            (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
         )
         self._producer: Any = None
         if marker_sink is None:
@@ -302,6 +315,9 @@ class KmqConsumer:
                 send=self._sink.send_all,
                 seek=self._seek_back,
                 depth=self._pipeline_depth,
+                ahead_s=_prefetch_seconds(self._timeout_ms),
+                max_bytes=self._fetch_max_bytes,
+                weigh=_value_bytes,
             )
         item = await self._pipeline.next(timeout_ms / 1000)
         if item is None:
@@ -476,6 +492,21 @@ class KmqConsumer:
 def _taken(planned: list[Planned]) -> list[tuple[MessageId, int]]:
     """The copies a batch takes (what the deduplication must forget if it is read again)."""
     return [(p.origin, p.attempt) for p in planned if p.action is not Action.SKIP]
+
+
+_VALUE_SIZE = attrgetter("serialized_value_size")
+
+
+def _value_bytes(fetched: dict[Any, list[Any]]) -> int:
+    """The bytes of the values of a fetched batch (what prefetching holds in memory)."""
+    return sum(sum(map(_VALUE_SIZE, records)) for records in fetched.values())
+
+
+def _prefetch_seconds(timeout_ms: int) -> float:
+    """How much of the application's work may wait in the pipeline: a tenth of the lease the
+    client asks for, at most one second (a lease left to the tracker's policy is at least
+    seconds long: one second)."""
+    return min(1.0, timeout_ms / 10_000) if timeout_ms else 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,18 @@ once) and goes on to the next fetch without waiting; the application's side take
 in order and waits only for the acknowledgement of the one it takes, which has usually arrived
 by then. So round trips overlap each other and the application's work.
 
+How far ahead it fetches follows the application, not only ``depth``: a prefetched batch's
+lease runs while it waits, and a batch fetched ahead is read twice if the consumer stops or
+loses its partition first. So the pipeline keeps at most ``ahead_s`` seconds of the
+application's work waiting (as records per second of processing, measured from each hand-over
+to the application's next request), always at least one batch, and one batch only until the
+first measurement. A fast application gets the whole depth (enough batches to hide the START
+round trips); a slow one gets one batch ahead, whose lease has barely started when it is
+taken, instead of ``depth`` batches that expire while they wait. It also holds at most
+``max_bytes`` of records as ``weigh`` counts them (the consumer passes aiokafka's
+``fetch_max_bytes`` and the values' sizes), so that large messages do not turn a depth of
+batches into gigabytes.
+
 The KMQ invariant is kept where it is decided, on the application's side: a batch is handed
 over only after its STARTs are acknowledged, and its offsets are committed only after that.
 When a START write fails, every batch behind it is dropped too (none was handed over or
@@ -41,6 +53,8 @@ class InFlight:
     plans: list[Any]
     acked: asyncio.Future[None] | None  #: the markers' acknowledgement (None: no markers)
     sent_at: float  #: time.monotonic() when its STARTs were sent: their leases run from then
+    count: int = 0  #: the records it holds
+    size: int = 0  #: their size in bytes, as the pipeline's ``weigh`` counts it
 
 
 class StartPipeline:
@@ -54,9 +68,15 @@ class StartPipeline:
         send: Callable[[Sequence[AnyMarker]], Awaitable[None]],
         seek: Callable[[dict[Any, int]], None],
         depth: int,
+        ahead_s: float = 1.0,
+        max_bytes: int | None = None,
+        weigh: Callable[[dict[Any, list[Any]]], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if depth < 1:
             raise ValueError("the pipeline depth must be at least 1")
+        if ahead_s <= 0:
+            raise ValueError("the pipeline's time ahead must be positive")
         self._fetch = fetch
         self._plan = plan
         self._send = send
@@ -64,15 +84,61 @@ class StartPipeline:
         self._queue: asyncio.Queue[InFlight] = asyncio.Queue(maxsize=depth)
         self._head: InFlight | None = None  #: taken from the queue, not handed over yet
         self._task: asyncio.Task[None] | None = None
+        self._ahead_s = ahead_s
+        self._clock = clock
+        self._max_bytes = max_bytes
+        self._weigh = weigh
+        self._queued = 0  #: records fetched and not handed over yet
+        self._queued_bytes = 0  #: their size, as ``weigh`` counts it
+        self._rate: float | None = None  #: the application's records per second (EWMA)
+        self._handed: tuple[int, float] | None = None  #: the last hand-over: records, when
+        self._room = asyncio.Event()  #: set whenever the application takes a batch
+        self._putting: InFlight | None = None  #: fetched, waiting for room in the queue
+
+    def _may_fetch(self) -> bool:
+        """At least one batch ahead; more while they hold less than ``ahead_s`` of work."""
+        if self._queued == 0:
+            return True
+        if self._max_bytes is not None and self._queued_bytes >= self._max_bytes:
+            return False
+        rate = self._rate  # unknown until the application has taken a batch: one ahead
+        return rate is not None and self._queued < rate * self._ahead_s
 
     async def _run(self) -> None:
         while True:
+            while not self._may_fetch():
+                self._room.clear()
+                await self._room.wait()
             fetched = await self._fetch()
-            if not any(fetched.values()):
+            count = sum(map(len, fetched.values()))
+            if not count:
                 continue
             plans, markers = self._plan(fetched)
             acked = asyncio.ensure_future(self._send(markers)) if markers else None
-            await self._queue.put(InFlight(fetched, plans, acked, time.monotonic()))
+            size = 0 if self._weigh is None else self._weigh(fetched)
+            self._queued += count
+            self._queued_bytes += size
+            # Held here until the queue takes it: a put cancelled by _read_again or close
+            # does not insert it, and those must still see it (seek back, give it back).
+            self._putting = InFlight(fetched, plans, acked, self._clock(), count, size)
+            await self._queue.put(self._putting)
+            self._putting = None
+
+    def _taking(self) -> None:
+        """The application asks for the next batch: it has processed the last one."""
+        if self._handed is None:
+            return
+        count, at = self._handed
+        self._handed = None
+        rate = count / max(self._clock() - at, 1e-6)
+        self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
+
+    def _hand_over(self, head: InFlight) -> InFlight:
+        self._queued -= head.count
+        self._queued_bytes -= head.size
+        self._handed = (head.count, self._clock())
+        self._room.set()
+        return head
 
     async def next(self, wait_s: float) -> InFlight | None:
         """The next batch whose markers are acknowledged, or None after ``wait_s`` seconds.
@@ -92,6 +158,7 @@ class StartPipeline:
                 self._run(), name="kmq-start-pipeline"
             )
         if self._head is None:
+            self._taking()
             if not self._queue.empty():  # steady state: no waiting, no task per call
                 self._head = self._queue.get_nowait()
             else:
@@ -112,22 +179,32 @@ class StartPipeline:
                     raise
                 raise MarkerWriteFailed(f"markers not acknowledged: {exc!r}") from exc
         self._head = None
-        return head
+        return self._hand_over(head)
 
     async def _read_again(self) -> None:
         """Drop the head and every batch behind it; seek back to where the head began."""
-        await self._stop_task()
-        dropped = [] if self._head is None else [self._head]
-        self._head = None
-        while not self._queue.empty():
-            dropped.append(self._queue.get_nowait())
         first: dict[Any, int] = {}
-        for item in dropped:
-            _retrieve(item.acked)
+        for item in await self._drain():
             for tp, records in item.fetched.items():
                 if records and (tp not in first or records[0].offset < first[tp]):
                     first[tp] = records[0].offset
         self._seek(first)
+
+    async def _drain(self) -> list[InFlight]:
+        """Stop fetching; take every batch not handed over, in fetch order."""
+        await self._stop_task()
+        left = [] if self._head is None else [self._head]
+        self._head = None
+        while not self._queue.empty():
+            left.append(self._queue.get_nowait())
+        if self._putting is not None:
+            left.append(self._putting)
+            self._putting = None
+        for item in left:
+            _retrieve(item.acked)
+        self._queued = self._queued_bytes = 0
+        self._room.set()
+        return left
 
     async def _stop_task(self) -> None:
         task, self._task = self._task, None
@@ -138,13 +215,7 @@ class StartPipeline:
 
     async def close(self) -> list[InFlight]:
         """Stop fetching; return the batches acknowledged but never handed over."""
-        await self._stop_task()
-        left = [] if self._head is None else [self._head]
-        self._head = None
-        while not self._queue.empty():
-            left.append(self._queue.get_nowait())
-        for item in left:
-            _retrieve(item.acked)
+        left = await self._drain()
         return [
             item
             for item in left
