@@ -511,7 +511,7 @@ def _prefetch_seconds(timeout_ms: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
-    """A batch whose STARTs are acknowledged and offsets committed, ready to hand over."""
+    """A batch whose STARTs are acknowledged, ready to hand over (offsets committed after)."""
 
     plans: list[RangePlan]
     at: float  #: time.monotonic() when it was ready: its leases run from about then

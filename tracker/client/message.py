@@ -55,10 +55,11 @@ class MessageContext:
 class KmqMessage:
     """One record received through :class:`tracker.client.KmqConsumer`.
 
-    By the time the application sees it, a START marker for it is acknowledged by the broker and
-    the queue offset past it is committed. Settle it with exactly one of :meth:`ack`,
-    :meth:`retry` or :meth:`reject`; :meth:`extend` renews the lease while processing. A message
-    left unsettled is redelivered by the tracker when its lease expires.
+    By the time the application sees it, a START marker for it is acknowledged by the broker;
+    the queue offset past it is committed only after that (in the background, protocol v2).
+    Settle it with exactly one of :meth:`ack`, :meth:`retry` or :meth:`reject`;
+    :meth:`extend` renews the lease while processing. A message left unsettled is
+    redelivered by the tracker when its lease expires.
 
     The settling verbs queue their marker in the client's batching producer and return without a
     network round trip; pass ``wait=True`` (or call the consumer's ``flush()``) to wait for the
