@@ -59,7 +59,8 @@ def consumer_for(bootstrap: str, topic: str, markers: str, **kwargs: object) -> 
     kwargs.setdefault(
         "consumer_config", {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
     )
-    # These tests read the per-message markers back: protocol v1 (v2: test_client_ranges_kafka).
+    # These tests read the per-message markers back: protocol v1 unless they say otherwise
+    # (v2 is parametrized in some of them and in test_mixed_versions.py).
     kwargs.setdefault("marker_version", 1)
     return KmqConsumer(
         topic,
@@ -333,6 +334,68 @@ async def test_exact_duplicate_copies_are_dropped_when_dedup_is_on(
         assert [m.value for m in messages] == [b"original", b"copy", b"tail"]
         assert consumer.skipped == 2
         assert await consumer.getmany(timedelta(milliseconds=300)) == []
+
+
+async def test_a_revoked_partitions_prefetched_batches_are_not_handed_over(
+    kafka_bootstrap: str, topic_factory: TopicFactory
+) -> None:
+    """A v2 consumer fetches ahead; a second member joins and takes a partition. What the
+    first had fetched ahead of the rebalance is not handed to its application (the new owner
+    reads the revoked partition from the committed offset, the first consumer its own), and
+    every message is still processed."""
+    topic = await topic_factory(partitions=2)
+    markers = await topic_factory(partitions=2)
+    per_partition = 60  # 6 batches each: both partitions are in what is fetched ahead
+    async with KmqProducer(kafka_bootstrap) as producer:
+        for p in range(2):
+            for i in range(per_partition):
+                await producer.send_nowait(topic, f"{p}-{i}".encode(), partition=p)
+    group = f"prefetch-{topic}"
+    first = consumer_for(
+        kafka_bootstrap, topic, markers, group_id=group, marker_version=2, max_batch=10
+    )  # small batches: many of them are prefetched
+    processed: dict[str, list[tuple[int, int]]] = {"first": [], "second": []}
+    loop = asyncio.get_running_loop()
+    async with first:
+        # A fast application: the pipeline measures it and fetches ahead.
+        for _ in range(3):
+            batch = await collect(first, 1)
+            processed["first"] += [(m.partition, m.offset) for m in batch]
+            await first.ack_all()
+        pipeline = first._pipeline
+        assert pipeline is not None
+        deadline = loop.time() + 30
+        # Setup: everything not handed over yet waits in the pipeline, fetched ahead.
+        while pipeline._queued < 2 * per_partition - len(processed["first"]):
+            assert loop.time() < deadline, "the pipeline did not fetch ahead"
+            await asyncio.sleep(0.01)
+        second = consumer_for(kafka_bootstrap, topic, markers, group_id=group, marker_version=2)
+        async with second:
+            deadline = loop.time() + 60
+            while len(first.assignment()) != 1 or len(second.assignment()) != 1:
+                assert loop.time() < deadline, "the group did not rebalance"
+                batch = await second.getmany(timedelta(milliseconds=100))
+                processed["second"] += [(m.partition, m.offset) for m in batch]
+                await second.ack_all()
+            ((kept,),) = [{tp.partition for tp in first.assignment()}]
+            total = 2 * per_partition
+            deadline = loop.time() + 60
+            # Until every message is processed and the first consumer has taken everything it
+            # had fetched ahead (handed over or, for the revoked partition, dropped).
+            while (
+                len(set(processed["first"]) | set(processed["second"])) < total or pipeline._queued
+            ):
+                assert loop.time() < deadline, "not every message was processed"
+                for name, consumer in (("first", first), ("second", second)):
+                    batch = await consumer.getmany(timedelta(milliseconds=50))
+                    if name == "first":
+                        assert {m.partition for m in batch} <= {kept}, (
+                            "a prefetched batch of a revoked partition was handed over"
+                        )
+                    processed[name] += [(m.partition, m.offset) for m in batch]
+                    await consumer.ack_all()
+    everything = {(p, o) for p in range(2) for o in range(per_partition)}
+    assert set(processed["first"]) | set(processed["second"]) == everything
 
 
 @pytest.mark.parametrize("version", [1, 2])

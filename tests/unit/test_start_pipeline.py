@@ -224,3 +224,27 @@ async def test_prefetching_stops_at_max_bytes() -> None:
     await _quiet()
     assert source.fetches == 3 + 3 + 1
     await pipeline.close()
+
+
+async def test_batches_fetched_before_a_rebalance_are_dropped() -> None:
+    source, clock = Source(), FakeClock()
+    generation = 0
+    pipeline = StartPipeline(
+        fetch=source.fetch,
+        plan=_plan,
+        send=_acked,
+        seek=source.seek,
+        depth=8,
+        generation=lambda: generation,
+        clock=clock,
+    )
+    await _measured_fast(pipeline, clock)  # batches 0 and 1 handed over
+    await _settle(lambda: source.fetches == 2 + 8 + 1)  # 8 queued, 1 held for a full queue
+    await _quiet()
+    generation += 1  # a rebalance: the consumer reads from its committed offsets again
+    item = await pipeline.next(1.0)
+    assert item is not None
+    assert item.generation == 1
+    # The nine batches fetched before it are gone (not handed over), the first after is next.
+    assert item.fetched["p0"][0].offset == 11 * BATCH
+    await pipeline.close()

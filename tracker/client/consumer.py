@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
@@ -149,7 +150,6 @@ class KmqConsumer:
         self._clock: Clock = clock or SystemClock()
         self._seen = SeenCopies(dedup_window, dedup_capacity) if dedup_window else None
         self._consumer = AIOKafkaConsumer(
-            *topics,
             bootstrap_servers=bootstrap_servers,
             **{
                 "auto_offset_reset": "earliest",
@@ -162,6 +162,9 @@ class KmqConsumer:
         self._fetch_max_bytes = int(
             (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
         )
+        #: counts rebalances: batches fetched before one are not handed over
+        self._rebalances = _Rebalances()
+        self._consumer.subscribe(list(topics), listener=self._rebalances)
         self._producer: Any = None
         if marker_sink is None:
             self._producer = AIOKafkaProducer(
@@ -318,6 +321,7 @@ class KmqConsumer:
                 ahead_s=_prefetch_seconds(self._timeout_ms),
                 max_bytes=self._fetch_max_bytes,
                 weigh=_value_bytes,
+                generation=self._rebalances.current,
             )
         item = await self._pipeline.next(timeout_ms / 1000)
         if item is None:
@@ -492,6 +496,28 @@ class KmqConsumer:
 def _taken(planned: list[Planned]) -> list[tuple[MessageId, int]]:
     """The copies a batch takes (what the deduplication must forget if it is read again)."""
     return [(p.origin, p.attempt) for p in planned if p.action is not Action.SKIP]
+
+
+class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
+    """Counts the group's rebalances for the START pipeline.
+
+    aiokafka rebalances eagerly: every partition is revoked, and the ones assigned again start
+    from their committed offsets. A batch fetched ahead of a rebalance would then be handed
+    over and read again (here or by the partition's new owner), so the pipeline drops the
+    batches of an older generation; their STARTs keep them covered until they are read again.
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0
+
+    def current(self) -> int:
+        return self.generation
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        self.generation += 1
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        self.generation += 1
 
 
 _VALUE_SIZE = attrgetter("serialized_value_size")

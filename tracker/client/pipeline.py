@@ -55,6 +55,7 @@ class InFlight:
     sent_at: float  #: time.monotonic() when its STARTs were sent: their leases run from then
     count: int = 0  #: the records it holds
     size: int = 0  #: their size in bytes, as the pipeline's ``weigh`` counts it
+    generation: int = 0  #: the consumer's assignment generation when it was fetched
 
 
 class StartPipeline:
@@ -71,6 +72,7 @@ class StartPipeline:
         ahead_s: float = 1.0,
         max_bytes: int | None = None,
         weigh: Callable[[dict[Any, list[Any]]], int] | None = None,
+        generation: Callable[[], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if depth < 1:
@@ -88,6 +90,7 @@ class StartPipeline:
         self._clock = clock
         self._max_bytes = max_bytes
         self._weigh = weigh
+        self._generation = generation
         self._queued = 0  #: records fetched and not handed over yet
         self._queued_bytes = 0  #: their size, as ``weigh`` counts it
         self._rate: float | None = None  #: the application's records per second (EWMA)
@@ -120,7 +123,10 @@ class StartPipeline:
             self._queued_bytes += size
             # Held here until the queue takes it: a put cancelled by _read_again or close
             # does not insert it, and those must still see it (seek back, give it back).
-            self._putting = InFlight(fetched, plans, acked, self._clock(), count, size)
+            # Tagged when the records are here: a fetch that returns after a rebalance returns
+            # records of the new assignment.
+            made_in = 0 if self._generation is None else self._generation()
+            self._putting = InFlight(fetched, plans, acked, self._clock(), count, size, made_in)
             await self._queue.put(self._putting)
             self._putting = None
 
@@ -134,11 +140,16 @@ class StartPipeline:
         self._rate = rate if self._rate is None else 0.7 * self._rate + 0.3 * rate
 
     def _hand_over(self, head: InFlight) -> InFlight:
+        self._forget(head)
+        self._handed = (head.count, self._clock())
+        return head
+
+    def _forget(self, head: InFlight) -> None:
+        """It leaves the pipeline (handed over or dropped): room for more."""
         self._queued -= head.count
         self._queued_bytes -= head.size
-        self._handed = (head.count, self._clock())
+        _retrieve(head.acked)
         self._room.set()
-        return head
 
     async def next(self, wait_s: float) -> InFlight | None:
         """The next batch whose markers are acknowledged, or None after ``wait_s`` seconds.
@@ -157,16 +168,25 @@ class StartPipeline:
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="kmq-start-pipeline"
             )
-        if self._head is None:
-            self._taking()
-            if not self._queue.empty():  # steady state: no waiting, no task per call
-                self._head = self._queue.get_nowait()
-            else:
-                try:
-                    self._head = await asyncio.wait_for(self._queue.get(), wait_s)
-                except TimeoutError:
-                    return None
-        head = self._head
+        while True:
+            if self._head is None:
+                self._taking()
+                if not self._queue.empty():  # steady state: no waiting, no task per call
+                    self._head = self._queue.get_nowait()
+                else:
+                    try:
+                        self._head = await asyncio.wait_for(self._queue.get(), wait_s)
+                    except TimeoutError:
+                        return None
+            head = self._head
+            if self._generation is None or head.generation == self._generation():
+                break
+            # Fetched before a rebalance: the consumer reads these partitions again from
+            # their committed offsets (or another member does), so handing it over would
+            # deliver it twice. Its STARTs are acknowledged: it stays covered until then.
+            self._head = None
+            self._forget(head)
+            log.info("dropped a batch of %d records fetched before a rebalance", head.count)
         if head.acked is not None:
             try:
                 if head.acked.done():
