@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
+from support.records import RECORDS_AT, FakeRecord
 
 from tracker.client.markers import KafkaMarkerSink
 from tracker.client.message import KmqMessage, MessageContext
 from tracker.client.planning import Action, SeenCopies, plan_batch
 from tracker.client.producer import resolve_deliver_at
 from tracker.client.ranges import RangeBook
-from tracker.clock import ManualClock, to_millis
+from tracker.clock import ManualClock
 from tracker.errors import AlreadySettled, InvalidDelay, InvalidHeader, MarkerError
 from tracker.headers import KmqHeaders, format_deliver_at, without_kmq_headers
 from tracker.ids import MessageId
@@ -21,18 +21,7 @@ from tracker.testing import InMemoryMarkerSink
 
 pytestmark = pytest.mark.unit
 
-NOW = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
-
-
-@dataclass
-class Record:
-    topic: str
-    partition: int
-    offset: int
-    headers: list[tuple[str, bytes]] = field(default_factory=list)
-    key: bytes | None = b"k"
-    value: bytes | None = b"v"
-    timestamp: int = to_millis(NOW)
+NOW = RECORDS_AT
 
 
 def copy_headers(origin: str, attempt: int, group: str | None = None) -> list[tuple[str, bytes]]:
@@ -42,14 +31,14 @@ def copy_headers(origin: str, attempt: int, group: str | None = None) -> list[tu
     return headers
 
 
-def plan(records: list[Record], seen: SeenCopies | None = None):  # type: ignore[no-untyped-def]
+def plan(records: list[FakeRecord], seen: SeenCopies | None = None):  # type: ignore[no-untyped-def]
     return plan_batch(
         records, group="billing", consumer_id="c1", timeout_ms=5000, now=NOW, seen=seen
     )
 
 
 def test_first_deliveries_get_a_start_with_the_lease() -> None:
-    [p] = plan([Record("orders", 2, 10)])
+    [p] = plan([FakeRecord("orders", 2, 10)])
     assert p.action is Action.DELIVER
     assert p.marker is not None
     assert p.marker.kind is MarkerKind.START
@@ -59,7 +48,7 @@ def test_first_deliveries_get_a_start_with_the_lease() -> None:
 
 
 def test_copies_carry_origin_and_attempt_into_the_start() -> None:
-    [p] = plan([Record("orders", 0, 99, copy_headers("orders/2/10", 3, "billing"))])
+    [p] = plan([FakeRecord("orders", 0, 99, copy_headers("orders/2/10", 3, "billing"))])
     assert p.action is Action.DELIVER
     assert p.marker is not None
     assert p.marker.origin == MessageId("orders", 2, 10)
@@ -68,14 +57,14 @@ def test_copies_carry_origin_and_attempt_into_the_start() -> None:
 
 
 def test_copies_for_another_group_are_skipped_without_markers() -> None:
-    [p] = plan([Record("orders", 0, 99, copy_headers("orders/2/10", 2, "shipping"))])
+    [p] = plan([FakeRecord("orders", 0, 99, copy_headers("orders/2/10", 2, "shipping"))])
     assert p.action is Action.SKIP
     assert p.marker is None
 
 
 def test_not_yet_due_messages_are_deferred_with_the_remaining_delay() -> None:
     due = NOW + timedelta(minutes=90)
-    [p] = plan([Record("orders", 1, 5, [("kmq-deliver-at", format_deliver_at(due))])])
+    [p] = plan([FakeRecord("orders", 1, 5, [("kmq-deliver-at", format_deliver_at(due))])])
     assert p.action is Action.DEFER
     assert p.marker is not None
     assert p.marker.kind is MarkerKind.DELAY
@@ -86,12 +75,12 @@ def test_not_yet_due_messages_are_deferred_with_the_remaining_delay() -> None:
 
 def test_due_delayed_messages_are_delivered() -> None:
     due = NOW - timedelta(seconds=1)
-    [p] = plan([Record("orders", 1, 5, [("kmq-deliver-at", format_deliver_at(due))])])
+    [p] = plan([FakeRecord("orders", 1, 5, [("kmq-deliver-at", format_deliver_at(due))])])
     assert p.action is Action.DELIVER
 
 
 def test_unreadable_kmq_headers_are_tracked_as_new_not_dropped() -> None:
-    [p] = plan([Record("orders", 1, 5, [("kmq-attempt", b"two")])])
+    [p] = plan([FakeRecord("orders", 1, 5, [("kmq-attempt", b"two")])])
     assert p.action is Action.DELIVER
     assert p.marker is not None
     assert p.marker.origin == MessageId("orders", 1, 5)
@@ -100,13 +89,13 @@ def test_unreadable_kmq_headers_are_tracked_as_new_not_dropped() -> None:
 def test_dedup_skips_an_exact_duplicate_copy_only() -> None:
     ticks = [0.0]
     seen = SeenCopies(timedelta(seconds=60), monotonic=lambda: ticks[0])
-    a = Record("orders", 0, 100, copy_headers("orders/2/10", 2))
-    dup = Record("orders", 0, 101, copy_headers("orders/2/10", 2))
-    next_attempt = Record("orders", 0, 102, copy_headers("orders/2/10", 3))
+    a = FakeRecord("orders", 0, 100, copy_headers("orders/2/10", 2))
+    dup = FakeRecord("orders", 0, 101, copy_headers("orders/2/10", 2))
+    next_attempt = FakeRecord("orders", 0, 102, copy_headers("orders/2/10", 3))
     actions = [p.action for p in plan([a, dup, next_attempt], seen)]
     assert actions == [Action.DELIVER, Action.SKIP, Action.DELIVER]
     ticks[0] = 61.0  # past the window: a copy is no longer remembered
-    [late] = plan([Record("orders", 0, 103, copy_headers("orders/2/10", 2))], seen)
+    [late] = plan([FakeRecord("orders", 0, 103, copy_headers("orders/2/10", 2))], seen)
     assert late.action is Action.DELIVER
 
 
@@ -141,8 +130,8 @@ def test_headers_round_trip_and_application_headers_are_kept() -> None:
     assert without_kmq_headers(mixed) == [("trace-id", b"abc")]
 
 
-def _message(sink: InMemoryMarkerSink, record: Record | None = None) -> KmqMessage:
-    record = record or Record("orders", 0, 7, copy_headers("orders/3/1", 2))
+def _message(sink: InMemoryMarkerSink, record: FakeRecord | None = None) -> KmqMessage:
+    record = record or FakeRecord("orders", 0, 7, copy_headers("orders/3/1", 2))
     kmq = KmqHeaders.parse(record.headers)
     return KmqMessage(
         record,
@@ -275,7 +264,9 @@ async def test_long_reasons_are_truncated_on_a_character_boundary() -> None:
 
 
 def test_message_exposes_identity_key_and_application_headers() -> None:
-    record = Record("orders", 0, 7, [("trace", b"t1"), *copy_headers("orders/3/1", 2, "billing")])
+    record = FakeRecord(
+        "orders", 0, 7, [("trace", b"t1"), *copy_headers("orders/3/1", 2, "billing")]
+    )
     msg = _message(InMemoryMarkerSink(), record)
     assert msg.id == MessageId("orders", 0, 7)
     assert msg.origin == MessageId("orders", 3, 1)

@@ -11,17 +11,16 @@ SETTLE covers, nothing more.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.records import RECORDS_AT, FakeRecord
 
 from tracker.client.message import KmqMessage, MessageContext, messages_of
 from tracker.client.planning import plan_ranges
 from tracker.client.ranges import OPEN, RangeBook
-from tracker.clock import to_millis
 from tracker.errors import AlreadySettled
 from tracker.headers import KmqHeaders
 from tracker.ids import MessageId
@@ -31,7 +30,7 @@ from tracker.testing import InMemoryMarkerSink
 
 pytestmark = pytest.mark.unit
 
-NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+NOW = RECORDS_AT
 GROUP = "billing"
 
 #: What a fetched record is, for the client: a first delivery (with or without application
@@ -39,17 +38,7 @@ GROUP = "billing"
 KINDS = ("first", "first-with-headers", "copy", "other-group", "deferred")
 
 
-@dataclass
-class Record:
-    topic: str
-    partition: int
-    offset: int
-    headers: list[tuple[str, bytes]] = field(default_factory=list)
-    value: bytes = b"v"
-    timestamp: int = to_millis(NOW)
-
-
-def _record(offset: int, kind: str) -> Record:
+def _record(offset: int, kind: str) -> FakeRecord:
     origin = MessageId("orders", 9, offset)
     headers: list[tuple[str, bytes]] = {
         "first": [],
@@ -58,10 +47,10 @@ def _record(offset: int, kind: str) -> Record:
         "other-group": KmqHeaders(origin, 2, "shipping").to_headers(),
         "deferred": KmqHeaders(deliver_at=NOW + timedelta(minutes=5)).to_headers(),
     }[kind]
-    return Record("orders", 3, offset, headers)
+    return FakeRecord("orders", 3, offset, headers)
 
 
-def _plan(records: list[Record]):  # type: ignore[no-untyped-def]
+def _plan(records: list[FakeRecord]):  # type: ignore[no-untyped-def]
     return plan_ranges(records, group=GROUP, consumer_id="c1", timeout_ms=5000, now=NOW)
 
 

@@ -64,7 +64,7 @@ async def _acked(markers: Any) -> None:
 
 
 def _pipeline(
-    source: Source, clock: FakeClock, send: Any = _acked, depth: int = 8
+    source: Source, clock: FakeClock, send: Any = _acked, depth: int = 8, **options: Any
 ) -> StartPipeline:
     return StartPipeline(
         fetch=source.fetch,
@@ -74,6 +74,7 @@ def _pipeline(
         depth=depth,
         ahead_s=1.0,
         clock=clock,
+        **options,
     )
 
 
@@ -204,17 +205,8 @@ async def test_one_batch_ahead_until_the_application_has_taken_one() -> None:
 
 async def test_prefetching_stops_at_max_bytes() -> None:
     source, clock = Source(), FakeClock()
-    pipeline = StartPipeline(
-        fetch=source.fetch,
-        plan=_plan,
-        send=_acked,
-        seek=source.seek,
-        depth=8,
-        ahead_s=1.0,
-        max_bytes=2_500,
-        weigh=lambda fetched: 1_000,  # a batch of large values
-        clock=clock,
-    )
+    # a batch of large values
+    pipeline = _pipeline(source, clock, max_bytes=2_500, weigh=lambda fetched: 1_000)
     for _ in range(3):  # a fast application: only the bytes bound holds the pipeline back
         assert await pipeline.next(1.0) is not None
         clock.now += 0.001
@@ -229,15 +221,7 @@ async def test_prefetching_stops_at_max_bytes() -> None:
 async def test_batches_fetched_before_a_rebalance_are_dropped() -> None:
     source, clock = Source(), FakeClock()
     generation = 0
-    pipeline = StartPipeline(
-        fetch=source.fetch,
-        plan=_plan,
-        send=_acked,
-        seek=source.seek,
-        depth=8,
-        generation=lambda: generation,
-        clock=clock,
-    )
+    pipeline = _pipeline(source, clock, generation=lambda: generation)
     await _measured_fast(pipeline, clock)  # batches 0 and 1 handed over
     await _settle(lambda: source.fetches == 2 + 8 + 1)  # 8 queued, 1 held for a full queue
     await _quiet()
