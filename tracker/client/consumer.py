@@ -12,9 +12,11 @@ That order is the KMQ invariant: after a crash at any point, every message is ei
 
 With range markers (protocol v2, the default) step 1 is one RANGE_START per fetched partition
 batch, acks are bytes in the batch's :class:`~tracker.client.ranges.OpenRange` that go out as
-RANGE_SETTLEs, and steps 1-3 for batch n+1 run in the background while the application works
-on batch n (*pipelining*): in steady state the application never waits for a round trip, and
-the invariant is the same, since a prepared batch is handed over only after all three steps.
+RANGE_SETTLEs, and steps 1-2 for the next batches run in the background while the application
+works on the current one (*pipelining*, paced by how fast the application takes batches).
+Step 3 follows step 4 in the background, one OffsetCommit in flight: a START is still
+acknowledged before its offset is committed and before the application sees the message, and
+in steady state the application never waits for a round trip.
 """
 
 from __future__ import annotations
