@@ -190,7 +190,7 @@ async def run(
             # Built one at a time and dropped once produced: millions of marker objects left
             # in this process made every full collection of the cyclic GC walk them, and the
             # tracker measured here shares this process (PostgreSQL acked ingest read 12-36k
-            # markers/s with them alive, 78-82k without).
+            # markers/s with them alive, 66-82k without).
             workloads: dict[str, Callable[[], list[Any]]] = {
                 "acked": lambda: workload(queue, messages, acked=True),
                 "unacked": lambda: workload(queue, messages, acked=False),

@@ -61,7 +61,7 @@ class OpenRange:
         self.first = first
         #: ``all_open``: every offset is a message handed over (a batch without gaps, copies
         #: or delayed messages: the common case, no byte set one by one)
-        self.flags = bytearray(width) if all_open else bytearray([NOT_OURS]) * width
+        self.flags = bytearray([OPEN if all_open else NOT_OURS]) * width
         self.queued = False  #: in its book's list of ranges with acks to send
 
     @property
