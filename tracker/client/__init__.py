@@ -1,16 +1,25 @@
 """The consumer-side client: consume with per-message ack/retry/extend/reject, produce delayed."""
 
 from .consumer import DEFAULT_MARKERS_TOPIC, KmqConsumer
+from .handlers import Handler, HandlerReturnedAwaitable, RejectMessage, RetryMessage
 from .markers import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage
+from .ordering import Ordering
 from .producer import KmqProducer, resolve_deliver_at
+from .workers import WorkerStats
 
 __all__ = [
     "DEFAULT_MARKERS_TOPIC",
+    "Handler",
+    "HandlerReturnedAwaitable",
     "KafkaMarkerSink",
     "KmqConsumer",
     "KmqMessage",
     "KmqProducer",
     "MarkerSink",
+    "Ordering",
+    "RejectMessage",
+    "RetryMessage",
+    "WorkerStats",
     "resolve_deliver_at",
 ]

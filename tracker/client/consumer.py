@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from operator import attrgetter
@@ -44,13 +44,15 @@ from tracker.errors import ClientClosed, MarkerWriteFailed
 from tracker.ids import MessageId, is_valid_topic
 from tracker.kafka.clients import stop_consumer
 from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker, Marker
-from tracker.protocol_v2 import RangeMarker
 
+from .handlers import Handler, HandlerCaller
 from .markers import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage, MessageContext, messages_of
+from .ordering import Ordering
 from .pipeline import StartPipeline
 from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
-from .ranges import OPEN, RangeBook
+from .ranges import OpenRange, RangeBook
+from .workers import PoolSettings, TakenBatch, WorkerPool, WorkerStats
 
 #: aiokafka's default ``fetch_max_bytes`` (50 MiB, as the Java consumer's ``fetch.max.bytes``).
 AIOKAFKA_FETCH_MAX_BYTES = 52_428_800
@@ -61,6 +63,12 @@ MARKER_VERSIONS = (1, 2)
 log = logging.getLogger(__name__)
 
 DEFAULT_MARKERS_TOPIC = "kmq-markers"
+
+#: The lease ``run()`` asks for and renews when the consumer leaves it to the tracker's policy.
+DEFAULT_RUN_LEASE = timedelta(seconds=30)
+
+#: aiokafka's default ``max_poll_interval_ms``.
+AIOKAFKA_MAX_POLL_INTERVAL_MS = 300_000
 
 
 def default_consumer_id() -> str:
@@ -165,7 +173,10 @@ class KmqConsumer:
             (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
         )
         #: counts rebalances: batches fetched before one are not handed over
-        self._rebalances = _Rebalances()
+        self._rebalances = _Rebalances(self._on_revoked)
+        self._max_poll_interval_ms = int(
+            (consumer_config or {}).get("max_poll_interval_ms", AIOKAFKA_MAX_POLL_INTERVAL_MS)
+        )
         self._consumer.subscribe(list(topics), listener=self._rebalances)
         self._producer: Any = None
         if marker_sink is None:
@@ -186,6 +197,8 @@ class KmqConsumer:
         #: handed-over messages settled per message (copies): what ack_all must ack
         self._loose: list[KmqMessage] = []
         self._running = False
+        self._handed_out = False  #: messages were taken with getmany/iteration
+        self._pool: WorkerPool | None = None  #: run()'s pool, while it runs
         self.skipped = 0  #: records skipped (other group's copies, duplicates)
         self.deferred = 0  #: not-yet-due delayed records handed to the tracker
 
@@ -208,6 +221,12 @@ class KmqConsumer:
         """Flush queued markers, then leave the group and close."""
         if not self._running:
             return
+        pool = self._pool
+        if pool is not None:
+            pool.request_stop()
+            if pool.runs(asyncio.current_task()):
+                return  # called by a handler: run() drains and returns; closing comes after
+            await pool.finished()
         self._running = False
         try:
             await self._release_prefetched()
@@ -285,14 +304,106 @@ class KmqConsumer:
         timeout_ms = (
             self._fetch_timeout_ms if wait is None else max(0, round(wait.total_seconds() * 1000))
         )
+        if self._pool is not None:
+            raise RuntimeError("run() is taking this consumer's messages")
+        self._handed_out = True
+        taken = await self._take(timeout_ms)
+        return [] if taken is None else taken.messages
+
+    async def run(
+        self,
+        handler: Handler,
+        *,
+        concurrency: int = 16,
+        ordering: Ordering | str = Ordering.UNORDERED,
+        blocking: bool | None = None,
+        max_processing: timedelta = timedelta(minutes=4),
+        drain_timeout: timedelta = timedelta(seconds=10),
+    ) -> WorkerStats:
+        """Process messages with ``handler``, up to ``concurrency`` at once, until :meth:`stop`
+        (or the cancellation of this call); returns what it did.
+
+        ``handler(message)`` is ``async def`` (run on the loop) or a plain function (run in a
+        thread pool of ``concurrency`` threads; ``blocking`` overrides the guess). Each message
+        is acked when its handler returns, retried when it raises (after the topic's backoff,
+        or the delay of a :class:`~tracker.client.RetryMessage`), dead-lettered when it raises
+        :class:`~tracker.client.RejectMessage`. A handler may settle the message itself.
+
+        ``ordering``: ``"unordered"``; ``"key"`` (messages of one key of a topic one at a
+        time, in offset order; different keys in parallel; keyless messages unordered); or
+        ``"partition"``. Leases are renewed while messages wait or run, by batch;
+        a handler running longer than ``max_processing`` is cancelled and its message retried.
+        On stop and when the group takes partitions away, what the pool holds gets up to
+        ``drain_timeout`` to finish; the rest goes back to the tracker, redelivered at once.
+
+        A handler that raises ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``) stops
+        the pool: its message is given back, the others drain, and ``run`` raises it.
+        ``run`` takes over the consumer: call it once, and not after ``getmany``/iteration.
+        """
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+        try:
+            order = Ordering(ordering)
+        except ValueError:
+            choices = ", ".join(repr(o.value) for o in Ordering)
+            raise ValueError(f"ordering must be one of {choices}, got {ordering!r}") from None
+        for name, value in (("max_processing", max_processing), ("drain_timeout", drain_timeout)):
+            if not isinstance(value, timedelta):
+                raise TypeError(f"{name} must be a datetime.timedelta, got {value!r}")
+        max_s = max_processing.total_seconds()
+        if not 0 < max_s * 1000 < self._max_poll_interval_ms:
+            raise ValueError(
+                f"max_processing must be positive and shorter than max_poll_interval_ms "
+                f"({self._max_poll_interval_ms} ms): when every handler hangs the pool takes "
+                "nothing, and the group drops a member that does not poll for that long"
+            )
+        if drain_timeout < timedelta(0):
+            raise ValueError("drain_timeout must not be negative")
+        if not callable(handler):
+            raise TypeError(f"the handler must be callable, got {type(handler).__name__}")
+        if not self._running:
+            raise ClientClosed()
+        if self._pool is not None or self._handed_out:
+            raise RuntimeError("run() takes over the consumer: call it once, before any getmany")
+        caller = HandlerCaller(handler, blocking=blocking, threads=concurrency)
+        if not self._timeout_ms:
+            # The pool renews leases, so it must know them: ask for one explicitly.
+            self._timeout_ms = round(DEFAULT_RUN_LEASE.total_seconds() * 1000)
+        settings = PoolSettings(
+            concurrency=concurrency,
+            ordering=order,
+            lease_ms=self._timeout_ms,
+            max_processing_s=max_s,
+            drain_s=drain_timeout.total_seconds(),
+            max_waiting=2 * max(concurrency, self._max_batch),
+        )
+        self._pool = pool = WorkerPool(_PoolSource(self), caller, settings)
+        try:
+            return await pool.run()
+        finally:
+            self._pool = None
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """The group takes partitions away (aiokafka waits for this before the rebalance goes
+        on): let run()'s pool finish what it holds of them, and commit what was handed over,
+        so their next owner starts where this one stopped."""
+        pool = self._pool
+        if pool is not None and revoked:
+            await pool.drain_partitions({(tp.topic, tp.partition) for tp in revoked})
+        self._book.flush()
+        task = self._committing
+        if task is not None and not task.done():
+            await asyncio.wait({task})
+
+    async def _take(self, timeout_ms: int) -> TakenBatch | None:
         if self.marker_version == 2:
-            return await self._getmany_ranges(timeout_ms)
+            return await self._take_ranges(timeout_ms)
         fetched: dict[Any, list[Any]] = await self._consumer.getmany(
             timeout_ms=timeout_ms, max_records=self._max_batch
         )
         records = [record for batch in fetched.values() for record in batch]
         if not records:
-            return []
+            return None
         planned = plan_batch(
             records,
             group=self.group_id,
@@ -302,16 +413,18 @@ class KmqConsumer:
             seen=self._seen,
         )
         markers = [p.marker for p in planned if p.marker is not None]
+        sent_at = time.monotonic()
         try:
             await self._sink.send_all(markers)
         except MarkerWriteFailed:
             self._rewind(fetched, _taken(planned))
             raise
         if not await self._commit(fetched, _taken(planned)):
-            return []
-        return self._hand_over(planned)
+            return None
+        messages = self._hand_over(planned)
+        return TakenBatch(messages, [], messages, sent_at) if messages else None
 
-    async def _getmany_ranges(self, timeout_ms: int) -> list[KmqMessage]:
+    async def _take_ranges(self, timeout_ms: int) -> TakenBatch | None:
         """Hand over the next batch whose STARTs are acknowledged; commit it after that."""
         if self._pipeline is None:
             self._pipeline = StartPipeline(
@@ -327,7 +440,7 @@ class KmqConsumer:
             )
         item = await self._pipeline.next(timeout_ms / 1000)
         if item is None:
-            return []
+            return None
         self._commit_soon(item.fetched)
         self._book.flush()  # the acks of the batches before go out first
         return self._hand_over_ranges(
@@ -415,23 +528,28 @@ class KmqConsumer:
             with contextlib.suppress(Exception):
                 await task
 
-    def _hand_over_ranges(self, prepared: _Prepared) -> list[KmqMessage]:
+    def _hand_over_ranges(self, prepared: _Prepared) -> TakenBatch | None:
+        at = prepared.at
         if prepared.stale():
             # It waited for the application longer than half its lease: renew the lease of
             # what it holds before the tracker counts it as abandoned.
             for marker in prepared.extensions(self._timeout_ms):
                 self._sink.send_later(marker)
+            at = time.monotonic()
         messages: list[KmqMessage] = []
+        ranges: list[OpenRange] = []
+        loose: list[KmqMessage] = []
         book, context = self._book, self._context
-        if self._loose:
-            self._loose = [m for m in self._loose if m.settled is None]
         for plan in prepared.plans:
             self.deferred += plan.deferred
             self.skipped += plan.skipped
             for whole in plan.ranges:
                 book.add(whole)
-            messages += messages_of(plan.deliver, context, self._loose)
-        return messages
+            ranges += plan.ranges
+            messages += messages_of(plan.deliver, context, loose)
+        if loose:
+            self._loose = [m for m in self._loose if m.settled is None] + loose
+        return TakenBatch(messages, ranges, loose, at) if messages else None
 
     def _hand_over(self, planned: list[Planned]) -> list[KmqMessage]:
         messages: list[KmqMessage] = []
@@ -500,6 +618,22 @@ def _taken(planned: list[Planned]) -> list[tuple[MessageId, int]]:
     return [(p.origin, p.attempt) for p in planned if p.action is not Action.SKIP]
 
 
+class _PoolSource:
+    """The consumer as a worker pool's source of batches."""
+
+    def __init__(self, consumer: KmqConsumer) -> None:
+        self._consumer = consumer
+
+    async def take(self, wait_s: float) -> TakenBatch | None:
+        return await self._consumer._take(round(wait_s * 1000))
+
+    async def send_all(self, markers: Sequence[AnyMarker]) -> None:
+        await self._consumer._sink.send_all(markers)
+
+    def send_later(self, marker: AnyMarker) -> None:
+        self._consumer._sink.send_later(marker)
+
+
 class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
     """Counts the group's rebalances for the START pipeline.
 
@@ -509,14 +643,20 @@ class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
     batches of an older generation; their STARTs keep them covered until they are read again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_revoked: Callable[[set[TopicPartition]], Awaitable[None]]) -> None:
         self.generation = 0
+        self._on_revoked = on_revoked
 
     def current(self) -> int:
         return self.generation
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         self.generation += 1
+        try:
+            await self._on_revoked(set(revoked))
+        except Exception:
+            # aiokafka logs and goes on too; the messages are covered by their STARTs.
+            log.exception("finishing work on revoked partitions failed")
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self.generation += 1
@@ -555,19 +695,9 @@ class _Prepared:
         out: list[AnyMarker] = []
         for plan in self.plans:
             for whole in plan.ranges:
-                if OPEN in whole.flags:
-                    start = whole.start("", 0)
-                    out.append(
-                        RangeMarker.extend(
-                            start.group,
-                            start.topic,
-                            start.partition,
-                            start.first_offset,
-                            start.last_offset,
-                            timeout_ms=timeout_ms,
-                            exceptions=start.exceptions,
-                        )
-                    )
+                extension = whole.extend(timeout_ms)
+                if extension is not None:
+                    out.append(extension)
             for opened, records, origin, attempt in plan.deliver:
                 if opened is None:
                     record = records[0]

@@ -13,7 +13,14 @@ from tracker.clock import from_millis
 from tracker.errors import AlreadySettled, InvalidDelay, MarkerWriteFailed
 from tracker.headers import without_kmq_headers
 from tracker.ids import MessageId
-from tracker.protocol import MAX_DELAY_MS, MAX_REASON_LENGTH, MAX_TIMEOUT_MS, Marker, MarkerKind
+from tracker.protocol import (
+    MAX_DELAY_MS,
+    MAX_REASON_LENGTH,
+    MAX_TIMEOUT_MS,
+    AnyMarker,
+    Marker,
+    MarkerKind,
+)
 
 from .markers import MarkerSink
 from .planning import Run
@@ -246,6 +253,15 @@ class KmqMessage:
         await self._write(marker, wait)
         self._settled = MarkerKind.DELAY
 
+    def _extension(self, timeout_ms: int) -> Marker:
+        return Marker.extend(
+            self._context.group,
+            self.id,
+            attempt=self.attempt,
+            origin=self._origin_field(),
+            timeout_ms=timeout_ms,
+        )
+
     async def extend(self, by: timedelta, *, wait: bool = False) -> None:
         """Renew the lease: the message is not redelivered until ``by`` from now.
 
@@ -255,14 +271,7 @@ class KmqMessage:
         if self.settled is not None:
             raise AlreadySettled(f"message {self.id} is already settled; cannot extend it")
         timeout_ms = _millis(by, "extension", minimum=1, maximum=MAX_TIMEOUT_MS)
-        marker = Marker.extend(
-            self._context.group,
-            self.id,
-            attempt=self.attempt,
-            origin=self._origin_field(),
-            timeout_ms=timeout_ms,
-        )
-        await self._write(marker, wait)
+        await self._write(self._extension(timeout_ms), wait)
 
     async def reject(self, reason: str, *, wait: bool = False) -> None:
         """The message is poison: dead-letter it now, with ``reason``."""
@@ -318,3 +327,48 @@ def messages_of(
             loose.append(message)
             messages.append(message)
     return messages
+
+
+def extensions(
+    ranges: Iterable[OpenRange], loose: Iterable[KmqMessage], timeout_ms: int
+) -> list[AnyMarker]:
+    """EXTENDs of ``timeout_ms`` for what is still unsettled: one RANGE_EXTEND per range
+    (covering its open offsets) and one EXTEND per unsettled message settled per message."""
+    out: list[AnyMarker] = []
+    for opened in ranges:
+        marker = opened.extend(timeout_ms)
+        if marker is not None:
+            out.append(marker)
+    for message in loose:
+        if message.settled is None:
+            out.append(message._extension(timeout_ms))
+    return out
+
+
+def releases(messages: Iterable[KmqMessage]) -> list[AnyMarker]:
+    """Give unsettled messages back to the tracker: EXTENDs of 1 ms (redelivered at once, as
+    SQS does with a visibility timeout of 0 and share groups with RELEASE).
+
+    The messages of one range go in one RANGE_EXTEND; from then on they are left out of that
+    range's SETTLEs and EXTENDs (an ``ack()`` after this writes a per-message ACK, which the
+    tracker ignores if it redelivered the message already).
+    """
+    out: list[AnyMarker] = []
+    by_range: dict[int, tuple[OpenRange, list[int]]] = {}
+    for message in messages:
+        if message.settled is not None:
+            continue
+        opened = message._range
+        if opened is None:
+            out.append(message._extension(1))
+            continue
+        offset = message._record.offset
+        if opened.flags[offset - opened.first] == OPEN:
+            by_range.setdefault(id(opened), (opened, []))[1].append(offset)
+    for opened, offsets in by_range.values():
+        marker = opened.extend(1, offsets)
+        if marker is not None:
+            out.append(marker)
+        for offset in offsets:
+            opened.flags[offset - opened.first] = DIVERGED
+    return out

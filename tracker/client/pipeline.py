@@ -179,20 +179,22 @@ class StartPipeline:
                     except TimeoutError:
                         return None
             head = self._head
-            if self._generation is None or head.generation == self._generation():
-                break
-            # Fetched before a rebalance: the consumer reads these partitions again from
-            # their committed offsets (or another member does), so handing it over would
-            # deliver it twice. Its STARTs are acknowledged: it stays covered until then.
-            self._head = None
-            self._forget(head)
-            log.info("dropped a batch of %d records fetched before a rebalance", head.count)
+            if self._generation is not None and head.generation != self._generation():
+                # Fetched before a rebalance: the consumer reads these partitions again from
+                # their committed offsets (or another member does), so handing it over would
+                # deliver it twice. Its STARTs are acknowledged: it stays covered until then.
+                self._head = None
+                self._forget(head)
+                log.info("dropped a batch of %d records fetched before a rebalance", head.count)
+                continue
+            if head.acked is not None and not head.acked.done():
+                with contextlib.suppress(Exception):  # its outcome is looked at below
+                    await asyncio.shield(head.acked)
+                continue  # look again: a rebalance may have begun while it waited
+            break
         if head.acked is not None:
             try:
-                if head.acked.done():
-                    head.acked.result()
-                else:
-                    await asyncio.shield(head.acked)
+                head.acked.result()
             except (MarkerWriteFailed, KafkaError) as exc:
                 await self._read_again()
                 if isinstance(exc, MarkerWriteFailed):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from tracker.protocol_v2 import MAX_RANGE_WIDTH, RangeMarker
 
@@ -79,6 +79,30 @@ class OpenRange:
             exceptions=_bits(self.flags, _NOT_OPEN),
             timeout_ms=timeout_ms,
             consumer=consumer,
+        )
+
+    def extend(self, timeout_ms: int, offsets: Iterable[int] | None = None) -> RangeMarker | None:
+        """A RANGE_EXTEND of the offsets still open (of ``offsets`` only, when given): their
+        leases run ``timeout_ms`` from now (1 ms gives them back to the tracker at once).
+        None when none of them is open."""
+        flags = self.flags
+        if offsets is not None:
+            only = bytearray([NOT_OURS]) * len(flags)
+            first = self.first
+            for offset in offsets:
+                index = offset - first
+                only[index] = flags[index]
+            flags = only
+        if OPEN not in flags:
+            return None
+        return RangeMarker.extend(
+            self.group,
+            self.topic,
+            self.partition,
+            self.first,
+            self.last,
+            timeout_ms=timeout_ms,
+            exceptions=_bits(flags, _NOT_OPEN),
         )
 
     def ack_all(self) -> None:

@@ -1,0 +1,378 @@
+"""Processing with bounded concurrency: the worker pool behind ``KmqConsumer.run``.
+
+In a classic consumer group one slow message holds up its whole partition, and a group never has
+more busy workers than partitions. kmq lifts both limits without changing the group protocol: a
+message is covered by its START before its offset is committed, and is settled on its own, so a
+consumer may work on many messages of one partition at once and commit offsets without waiting
+for them (what Kafka share groups, KIP-932, and Confluent Parallel Consumer offer).
+
+The pool takes batches from the consumer (already STARTed and handed over, exactly as
+``async for`` gets them), keeps them in per-key or per-partition *lanes*
+(:mod:`tracker.client.ordering`) and runs up to ``concurrency`` handlers at once. It takes the
+next batch only while fewer than ``concurrency`` messages are ready to start and fewer than
+``max_waiting`` wait in all: when every slot is busy, the consumer stops fetching (the START
+pipeline fetches only what the application takes), so memory stays bounded whatever the backlog.
+
+Leases are renewed per batch, not per message: every quarter of the lease, each batch whose lease
+is more than half gone gets one RANGE_EXTEND for the offsets still unsettled (waiting or in
+progress), plus a per-message EXTEND for copies. A handler that runs longer than
+``max_processing`` is cancelled (a blocking one cannot be: its thread runs on, its result
+unused) and its message retried.
+
+On stop, on cancellation of ``run`` and on the revocation of partitions, the pool takes nothing
+new and lets what it holds finish, waiting messages included (so per-key order survives a
+rebalance), for up to ``drain_timeout``; what is left is given back to the tracker with an EXTEND
+of 1 ms (redelivered at once). On stop, handlers still running then are cancelled; on a
+revocation they run on and settle their messages when they finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Protocol
+
+from tracker.errors import KmqError, MarkerWriteFailed
+from tracker.protocol import AnyMarker
+
+from .handlers import HandlerCaller, HandlerReturnedAwaitable, RejectMessage, RetryMessage
+from .message import KmqMessage, extensions, releases
+from .ordering import Lanes, Ordering, lane_function
+from .ranges import OpenRange
+
+log = logging.getLogger(__name__)
+
+#: How long one ``take`` waits for a batch: what a stop request may wait for the loop to notice.
+TAKE_WAIT_S = 0.2
+#: Pause before taking again after a batch's STARTs were not acknowledged.
+RETRY_PAUSE_S = 0.5
+
+
+@dataclass(slots=True, eq=False)
+class TakenBatch:
+    """A batch handed over by the consumer: STARTed, its offsets committed or on their way."""
+
+    messages: list[KmqMessage]
+    ranges: list[OpenRange]  #: the range STARTs covering most of them
+    loose: list[KmqMessage]  #: the ones settled per message (copies)
+    at: float  #: ``time.monotonic()`` when their STARTs were sent: their leases run from then
+
+
+class BatchSource(Protocol):
+    """What the pool needs from the consumer."""
+
+    async def take(self, wait_s: float) -> TakenBatch | None:
+        """The next batch handed over, or None after ``wait_s`` seconds."""
+        ...
+
+    async def send_all(self, markers: Sequence[AnyMarker]) -> None:
+        """Write markers; return once the broker acknowledged them."""
+        ...
+
+    def send_later(self, marker: AnyMarker) -> None:
+        """Queue a marker nobody waits for."""
+        ...
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What a pool did (returned by ``KmqConsumer.run``)."""
+
+    acked: int = 0  #: handler returned: acked
+    retried: int = 0  #: handler raised (or asked for a retry)
+    rejected: int = 0  #: handler raised :class:`RejectMessage`
+    timed_out: int = 0  #: ran longer than ``max_processing`` (counted in ``retried`` too)
+    settled_by_handler: int = 0  #: the handler settled the message itself
+    released: int = 0  #: given back to the tracker unfinished (stop, revocation, drain timeout)
+    renewals: int = 0  #: EXTEND markers written to renew leases
+    most_in_progress: int = 0  #: the most handlers that ran at once
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    """The lease of one taken batch: renewed together, forgotten when all its jobs are done."""
+
+    ranges: list[OpenRange]
+    loose: list[KmqMessage]
+    renewed_at: float
+    left: int  #: its messages the pool has not finished with
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    message: KmqMessage
+    lease: _Lease
+
+
+@dataclass(slots=True)
+class PoolSettings:
+    concurrency: int
+    ordering: Ordering
+    lease_ms: int  #: what each renewal asks for; renewed when half of it is gone
+    max_processing_s: float
+    drain_s: float
+    max_waiting: int  #: messages taken and not started, at most (before the next batch)
+    clock: Callable[[], float] = field(default=time.monotonic)
+
+
+class WorkerPool:
+    """Runs a handler on up to ``concurrency`` messages at once (see the module docstring)."""
+
+    def __init__(self, source: BatchSource, caller: HandlerCaller, settings: PoolSettings) -> None:
+        self._source = source
+        self._caller = caller
+        self._settings = settings
+        lane = lane_function(settings.ordering)
+        self._lanes: Lanes[_Job] = Lanes(lambda job: lane(job.message))
+        self._running: dict[asyncio.Task[None], _Job] = {}
+        self._leases: list[_Lease] = []
+        self._wake = asyncio.Event()  #: a job finished, or a stop was asked for
+        self._stop = False
+        self._dispatching = True
+        self._fatal: BaseException | None = None
+        self._finished = asyncio.Event()
+        self.stats = WorkerStats()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> WorkerStats:
+        """Take batches and run their handlers until :meth:`request_stop`, cancellation or a
+        handler's ``BaseException`` (re-raised here after the drain)."""
+        renewer = asyncio.get_running_loop().create_task(self._renew(), name="kmq-lease-renewal")
+        try:
+            while not self._stop:
+                s = self._settings
+                if self._lanes.ready >= s.concurrency or self._lanes.waiting >= s.max_waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                try:
+                    batch = await self._source.take(TAKE_WAIT_S)
+                except MarkerWriteFailed as exc:
+                    # Not handed over, offsets not committed: the batch is read again.
+                    log.warning("STARTs not acknowledged (%s); reading the batch again", exc)
+                    await asyncio.sleep(RETRY_PAUSE_S)
+                    continue
+                if batch is not None and not self._stop:
+                    self._add(batch)
+                elif batch is not None:
+                    self._release([_Job(m, _Lease([], [], 0, 0)) for m in batch.messages])
+        finally:
+            self._stop = True
+            try:
+                await self._drain(lambda job: True, abandon=True)
+            finally:
+                renewer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewer
+                self._caller.close()
+                self._finished.set()
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    def request_stop(self) -> None:
+        """Take nothing more; :meth:`run` drains and returns."""
+        self._stop = True
+        self._wake.set()
+
+    def runs(self, task: asyncio.Task[object] | None) -> bool:
+        """Whether ``task`` is one of the pool's handlers."""
+        return task in self._running
+
+    async def finished(self) -> None:
+        """Wait until :meth:`run` has drained and is about to return."""
+        await self._finished.wait()
+
+    def _add(self, batch: TakenBatch) -> None:
+        lease = _Lease(batch.ranges, batch.loose, batch.at, len(batch.messages))
+        self._leases.append(lease)
+        add = self._lanes.add
+        for message in batch.messages:
+            add(_Job(message, lease))
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if not self._dispatching:
+            return
+        running, lanes = self._running, self._lanes
+        limit = self._settings.concurrency
+        loop = asyncio.get_running_loop()
+        while len(running) < limit:
+            job = lanes.pop_ready()
+            if job is None:
+                break
+            task = loop.create_task(self._work(job))
+            running[task] = job
+            task.add_done_callback(self._done)
+        self.stats.most_in_progress = max(self.stats.most_in_progress, len(running))
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        job = self._running.pop(task)
+        job.lease.left -= 1
+        self._lanes.done(job)
+        if not task.cancelled():
+            task.exception()  # _work catches everything; retrieved so nothing is "lost"
+        self._dispatch()
+        self._wake.set()
+
+    # -- one message ----------------------------------------------------------------------
+
+    async def _work(self, job: _Job) -> None:
+        message = job.message
+        window = asyncio.timeout(self._settings.max_processing_s)
+        try:
+            async with window:
+                await self._caller(message)
+        except RetryMessage as exc:
+            await self._settle(message, "retry", exc.reason, exc.delay)
+        except RejectMessage as exc:
+            await self._settle(message, "reject", exc.reason)
+        except TimeoutError as exc:
+            if window.expired():
+                await self._timed_out(message)
+            else:  # the handler's own timeout: a failure like any other
+                await self._failed(message, exc)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the pool cancelled it (stop)
+                self._release([job])
+                raise
+            await self._failed(message, RuntimeError("the handler was cancelled"))
+        except HandlerReturnedAwaitable as exc:
+            self._stop_with(exc, job)  # a programming error: every message would fail
+        except Exception as exc:
+            await self._failed(message, exc)
+        except BaseException as exc:
+            # KeyboardInterrupt, SystemExit, ...: not the message's fault, and not ours to
+            # swallow. Give the message back, stop the pool, and let run() raise it.
+            self._stop_with(exc, job)
+        else:
+            if window.expired():  # it swallowed the cancellation of its timeout
+                await self._timed_out(message)
+            else:
+                await self._settle(message, "ack")
+
+    def _stop_with(self, exc: BaseException, job: _Job) -> None:
+        self._release([job])
+        if self._fatal is None:
+            self._fatal = exc
+        self.request_stop()
+
+    async def _timed_out(self, message: KmqMessage) -> None:
+        self.stats.timed_out += 1
+        limit = self._settings.max_processing_s
+        log.warning("handler for %s ran longer than %.3g s: retried", message.id, limit)
+        await self._settle(message, "retry", f"handler ran longer than {limit:.3g} s")
+
+    async def _failed(self, message: KmqMessage, exc: BaseException) -> None:
+        log.warning("handler failed for %s: retried", message.id, exc_info=exc)
+        await self._settle(message, "retry", f"{type(exc).__name__}: {exc}")
+
+    async def _settle(
+        self, message: KmqMessage, how: str, reason: str = "", delay: timedelta | None = None
+    ) -> None:
+        """Settle as the handler's outcome says, unless the handler settled it itself.
+
+        The verbs queue their marker without waiting for the broker.
+        """
+        stats = self.stats
+        if message.settled is not None:
+            stats.settled_by_handler += 1
+            return
+        try:
+            if how == "ack":
+                await message.ack()
+                stats.acked += 1
+            elif how == "reject":
+                await message.reject(reason)
+                stats.rejected += 1
+            else:
+                await message.retry(delay, reason=reason)
+                stats.retried += 1
+        except KmqError:  # e.g. a marker the sink refused: the lease still covers it
+            log.exception("could not settle %s; the tracker will redeliver it", message.id)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    async def _renew(self) -> None:
+        """Every quarter lease, renew the batches whose lease is more than half gone."""
+        s = self._settings
+        lease_s = s.lease_ms / 1000
+        while True:
+            await asyncio.sleep(lease_s / 4)
+            now = s.clock()
+            live = [lease for lease in self._leases if lease.left > 0]
+            self._leases = live
+            markers: list[AnyMarker] = []
+            for lease in live:
+                if now - lease.renewed_at >= lease_s / 2:
+                    lease.renewed_at = now
+                    markers += extensions(lease.ranges, lease.loose, s.lease_ms)
+            if not markers:
+                continue
+            self.stats.renewals += len(markers)
+            try:
+                await self._source.send_all(markers)
+            except MarkerWriteFailed as exc:
+                log.warning("lease renewal not acknowledged (%s); will try again", exc)
+                for lease in live:
+                    lease.renewed_at = min(lease.renewed_at, now - lease_s / 2)
+
+    def _release(self, jobs: Iterable[_Job]) -> None:
+        jobs = list(jobs)
+        for job in jobs:
+            if job.message.settled is None:
+                self.stats.released += 1
+        for marker in releases(job.message for job in jobs):
+            self._source.send_later(marker)
+
+    # -- draining -------------------------------------------------------------------------
+
+    async def drain_partitions(self, partitions: set[tuple[str, int]]) -> None:
+        """The group takes ``partitions`` away: finish what the pool holds of them (waiting
+        messages too) within the drain timeout, give back what is left. Handlers still running
+        then run on."""
+
+        def revoked(job: _Job) -> bool:
+            message = job.message
+            return (message.topic, message.partition) in partitions
+
+        await self._drain(revoked, abandon=False)
+
+    async def _drain(self, matches: Callable[[_Job], bool], *, abandon: bool) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._settings.drain_s
+
+        def holding() -> bool:
+            return any(map(matches, self._running.values())) or self._lanes.any_waiting(matches)
+
+        while holding():
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+        given_back = self._lanes.remove(matches)
+        if given_back:
+            log.info("gave %d waiting messages back to the tracker", len(given_back))
+            self._release(given_back)
+        if not abandon:
+            return
+        self._dispatching = False
+        tasks = [task for task, job in self._running.items() if matches(job)]
+        if tasks:
+            log.warning(
+                "%d handlers still running after the drain timeout: cancelled, their "
+                "messages given back to the tracker",
+                len(tasks),
+            )
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
