@@ -1,6 +1,6 @@
 """A consumer process the consumer-kill test SIGKILLs again and again (protocol v2).
 
-Usage: python kill_consumer.py BOOTSTRAP TOPIC GROUP MARKERS_TOPIC LEASE_S
+Usage: python kill_consumer.py BOOTSTRAP TOPIC GROUP MARKERS_TOPIC LEASE_S [batches|pool]
 
 For every batch handed to it, it prints ``BATCH <n>``, works on it for half a second (so that
 a kill often finds it holding a batch, with the next one prepared), acks the messages whose
@@ -9,15 +9,22 @@ prints ``ACKING <origin> <attempt>`` for each, waits until the broker acknowledg
 SETTLEs (``flush()``), then prints ``ACKED <origin> <attempt>`` for each. A kill between
 the two lines leaves those messages in doubt (their SETTLE may or may not have reached the
 broker); the test accounts for that.
+
+``pool`` runs the same work through ``consumer.run(handler, concurrency=16)``: each handler
+works for 50-300 ms (so a kill finds many in flight, and more waiting in the pool), prints
+``BATCH 1`` on the first call, ``ACKING`` as it returns (the pool acks it then) or raises for a
+dropped one (the pool retries it); a side task flushes every 200 ms and prints ``ACKED`` for
+what was acked before that flush.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 from datetime import timedelta
 
-from tracker.client import KmqConsumer
+from tracker.client import KmqConsumer, KmqMessage
 
 
 def _name(message: object) -> str:
@@ -50,6 +57,50 @@ async def main(bootstrap: str, topic: str, group: str, markers: str, lease: floa
         print("".join(f"ACKED {name}\n" for name in acked), end="", flush=True)
 
 
+async def pool_main(bootstrap: str, topic: str, group: str, markers: str, lease: float) -> None:
+    consumer = KmqConsumer(
+        topic,
+        group_id=group,
+        bootstrap_servers=bootstrap,
+        markers_topic=markers,
+        processing_timeout=timedelta(seconds=lease),
+        consumer_config={"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
+    )
+    await consumer.start()
+    print("JOINED", flush=True)
+    acking: list[str] = []
+    working = False
+
+    async def handler(message: KmqMessage) -> None:
+        nonlocal working
+        if not working:
+            working = True
+            print("BATCH 1", flush=True)
+        await asyncio.sleep(random.uniform(0.05, 0.3))  # the work
+        index = int((message.value or b"m0")[1:])
+        if message.attempt < 2 and not index % 10:
+            raise RuntimeError("dropped")  # retried by the pool
+        name = _name(message)
+        acking.append(name)
+        print(f"ACKING {name}", flush=True)  # returns at once: the pool acks it now
+
+    async def confirm() -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            done = acking[:]
+            del acking[:]
+            await consumer.flush()
+            print("".join(f"ACKED {name}\n" for name in done), end="", flush=True)
+
+    confirming = asyncio.create_task(confirm())
+    try:
+        await consumer.run(handler, concurrency=16)
+    finally:
+        confirming.cancel()
+
+
 if __name__ == "__main__":
     bootstrap, topic, group, markers, lease = sys.argv[1:6]
-    asyncio.run(main(bootstrap, topic, group, markers, float(lease)))
+    mode = sys.argv[6] if len(sys.argv) > 6 else "batches"
+    run = pool_main if mode == "pool" else main
+    asyncio.run(run(bootstrap, topic, group, markers, float(lease)))

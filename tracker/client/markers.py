@@ -250,17 +250,18 @@ class KafkaMarkerSink:
                 done.result()
 
     async def flush(self) -> None:
-        """Send what is queued and wait for every marker handed over so far."""
+        """Send what is queued and wait for every marker handed over so far.
+
+        Only for those: markers other tasks queue meanwhile are not waited for, so a flush
+        ends after about one round trip however busy the sink is (waiting for the writers to
+        go idle instead starved a flush under a worker pool's steady acks and renewals).
+        """
         if self._starter is not None and not self._starter.done():
             await asyncio.wait({self._starter})
-        while self._writers:
-            writers = [task for task in self._writers.values() if not task.done()]
-            self._writers = {p: t for p, t in self._writers.items() if not t.done()}
-            if not writers:
-                break
-            await asyncio.wait(writers)
-        if self._unsettled:
-            await asyncio.wait(set(self._unsettled))
+        self._writers = {p: t for p, t in self._writers.items() if not t.done()}
+        pending = {group.done for group in self._open.values()} | self._unsettled
+        if pending:
+            await asyncio.wait(pending)
         try:
             await self._producer.flush()
         except KafkaError as exc:

@@ -13,8 +13,8 @@ next batch only while fewer than ``concurrency`` messages are ready to start and
 ``max_waiting`` wait in all: when every slot is busy, the consumer stops fetching (the START
 pipeline fetches only what the application takes), so memory stays bounded whatever the backlog.
 
-Leases are renewed per batch, not per message: every quarter of the lease, each batch whose lease
-is more than half gone gets one RANGE_EXTEND for the offsets still unsettled (waiting or in
+Leases are renewed per batch, not per message: every sixth of the lease, each batch whose lease is
+a third gone or more gets one RANGE_EXTEND for the offsets still unsettled (waiting or in
 progress), plus a per-message EXTEND for copies. A handler that runs longer than
 ``max_processing`` is cancelled (a blocking one cannot be: its thread runs on, its result
 unused) and its message retried.
@@ -301,17 +301,22 @@ class WorkerPool:
     # -- leases ---------------------------------------------------------------------------
 
     async def _renew(self) -> None:
-        """Every quarter lease, renew the batches whose lease is more than half gone."""
+        """Every sixth of the lease, renew the batches whose lease is a third gone or more.
+
+        So a renewal is written when between a half and two thirds of the lease is left: room
+        for a late timer on a busy loop, the round trip and the tracker's ingest, before the
+        tracker would count the message as abandoned.
+        """
         s = self._settings
         lease_s = s.lease_ms / 1000
         while True:
-            await asyncio.sleep(lease_s / 4)
+            await asyncio.sleep(lease_s / 6)
             now = s.clock()
             live = [lease for lease in self._leases if lease.left > 0]
             self._leases = live
             markers: list[AnyMarker] = []
             for lease in live:
-                if now - lease.renewed_at >= lease_s / 2:
+                if now - lease.renewed_at >= lease_s / 3:
                     lease.renewed_at = now
                     markers += extensions(lease.ranges, lease.loose, s.lease_ms)
             if not markers:
@@ -322,7 +327,7 @@ class WorkerPool:
             except MarkerWriteFailed as exc:
                 log.warning("lease renewal not acknowledged (%s); will try again", exc)
                 for lease in live:
-                    lease.renewed_at = min(lease.renewed_at, now - lease_s / 2)
+                    lease.renewed_at = min(lease.renewed_at, now - lease_s / 3)
 
     def _release(self, jobs: Iterable[_Job]) -> None:
         jobs = list(jobs)
