@@ -213,3 +213,74 @@ async def test_readme_batch_form_runs(kafka_bootstrap: str, topic_factory: Topic
         decoded = [decode_marker(r.value) for r in seen.on(markers)]
         assert all(isinstance(m, RangeMarker) for m in decoded), "only range markers"
     assert sorted(handled) == sorted(f"job-{i}".encode() for i in range(20))
+
+
+async def test_readme_worker_pool_form_runs(
+    kafka_bootstrap: str, topic_factory: TopicFactory
+) -> None:
+    """The README's worker-pool form: each order charged once, many at once, one key at a
+    time; the empty one dead-lettered, the declined one retried in a minute, the rest acked
+    (by ranges); cancelling ``main()`` drains the pool and closes the consumer cleanly."""
+    topic = await topic_factory(partitions=3, prefix="orders")
+    markers = await topic_factory(partitions=4, prefix="markers")
+    source = substitute(
+        readme_python_block(SECTION, 2),
+        {
+            '"localhost:9092"': kafka_bootstrap,
+            '"orders"': topic,
+            '"billing"': f"billing-{topic}",
+        },
+    ).replace("bootstrap_servers=", f"markers_topic={markers!r}, bootstrap_servers=")
+    charged: list[bytes] = []
+    busy: set[bytes] = set()
+    most = 0
+
+    async def charge(order: bytes) -> bool:  # the reader's application function
+        nonlocal most
+        key = order.split(b":")[0]
+        assert key not in busy, "two orders of one customer at once"
+        busy.add(key)
+        most = max(most, len(busy))
+        await asyncio.sleep(0.05)
+        busy.discard(key)
+        charged.append(order)
+        return order != b"c3:declined"
+
+    namespace: dict[str, Any] = {"__name__": "readme_pool", "charge": charge}
+    exec(compile(source, str(README), "exec"), namespace)  # noqa: S102
+    orders = [f"c{i % 10}:order-{i}".encode() for i in range(40)] + [b"c3:declined"]
+    async with KmqProducer(kafka_bootstrap) as producer:
+        for order in orders:
+            await producer.send(topic, order, key=order.split(b":")[0])
+        await producer.send(topic, None, key=b"c4")
+    async with (
+        TopicWatcher(kafka_bootstrap, markers) as seen,
+        running(namespace["main"]()) as task,
+    ):
+        await eventually(lambda: len(charged) == 41 or task.done(), within=60, what="41 charged")
+        assert not task.done(), f"main() ended on its own: {task.exception()!r}"
+
+        def markers_of() -> list[AnyMarker]:
+            return [decode_marker(r.value) for r in seen.on(markers)]
+
+        def settled() -> int:
+            return sum(
+                m.covered.bit_count()
+                for m in markers_of()
+                if isinstance(m, RangeMarker) and m.kind is RangeKind.RANGE_SETTLE
+            )
+
+        await seen.wait_for(lambda _: settled() == 40, what="40 orders acked by ranges")
+        per_message = {
+            m.kind: m
+            for m in markers_of()
+            if isinstance(m, Marker) and m.kind is not MarkerKind.START
+        }
+        assert per_message[MarkerKind.REJECT].reason == "empty payload"
+        assert (per_message[MarkerKind.DELAY].reason, per_message[MarkerKind.DELAY].delay_ms) == (
+            "card declined",
+            60_000,
+        )
+    assert task.cancelled()
+    assert sorted(charged) == sorted(orders)
+    assert most > 1  # different customers at once
