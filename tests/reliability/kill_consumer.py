@@ -32,8 +32,8 @@ def _name(message: object) -> str:
     return f"{origin.topic}/{origin.partition}/{origin.offset} {message.attempt}"  # type: ignore[attr-defined]
 
 
-async def main(bootstrap: str, topic: str, group: str, markers: str, lease: float) -> None:
-    consumer = KmqConsumer(
+def _consumer(bootstrap: str, topic: str, group: str, markers: str, lease: float) -> KmqConsumer:
+    return KmqConsumer(
         topic,
         group_id=group,
         bootstrap_servers=bootstrap,
@@ -41,6 +41,10 @@ async def main(bootstrap: str, topic: str, group: str, markers: str, lease: floa
         processing_timeout=timedelta(seconds=lease),
         consumer_config={"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
     )
+
+
+async def main(bootstrap: str, topic: str, group: str, markers: str, lease: float) -> None:
+    consumer = _consumer(bootstrap, topic, group, markers, lease)
     await consumer.start()
     print("JOINED", flush=True)
     async for batch in consumer.batches():
@@ -58,14 +62,7 @@ async def main(bootstrap: str, topic: str, group: str, markers: str, lease: floa
 
 
 async def pool_main(bootstrap: str, topic: str, group: str, markers: str, lease: float) -> None:
-    consumer = KmqConsumer(
-        topic,
-        group_id=group,
-        bootstrap_servers=bootstrap,
-        markers_topic=markers,
-        processing_timeout=timedelta(seconds=lease),
-        consumer_config={"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
-    )
+    consumer = _consumer(bootstrap, topic, group, markers, lease)
     await consumer.start()
     print("JOINED", flush=True)
     acking: list[str] = []
