@@ -107,6 +107,9 @@ class _Lease:
 class _Job:
     message: KmqMessage
     lease: _Lease
+    started: float = 0.0  #: when its handler started (the loop's clock)
+    #: why the pool cancelled its handler: "timeout" (max_processing) or "stop" (drain over)
+    cancelled_for: str | None = None
 
 
 @dataclass(slots=True)
@@ -143,7 +146,11 @@ class WorkerPool:
     async def run(self) -> WorkerStats:
         """Take batches and run their handlers until :meth:`request_stop`, cancellation or a
         handler's ``BaseException`` (re-raised here after the drain)."""
-        renewer = asyncio.get_running_loop().create_task(self._renew(), name="kmq-lease-renewal")
+        loop = asyncio.get_running_loop()
+        side_tasks = [
+            loop.create_task(self._renew(), name="kmq-lease-renewal"),
+            loop.create_task(self._watch_deadlines(), name="kmq-handler-deadlines"),
+        ]
         try:
             while not self._stop:
                 s = self._settings
@@ -167,9 +174,9 @@ class WorkerPool:
             try:
                 await self._drain(lambda job: True, abandon=True)
             finally:
-                renewer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewer
+                for task in side_tasks:
+                    task.cancel()
+                await asyncio.wait(side_tasks)
                 self._caller.close()
                 self._finished.set()
         if self._fatal is not None:
@@ -203,10 +210,12 @@ class WorkerPool:
         running, lanes = self._running, self._lanes
         limit = self._settings.concurrency
         loop = asyncio.get_running_loop()
+        now = loop.time()
         while len(running) < limit:
             job = lanes.pop_ready()
             if job is None:
                 break
+            job.started = now
             task = loop.create_task(self._work(job))
             running[task] = job
             task.add_done_callback(self._done)
@@ -225,25 +234,23 @@ class WorkerPool:
 
     async def _work(self, job: _Job) -> None:
         message = job.message
-        window = asyncio.timeout(self._settings.max_processing_s)
         try:
-            async with window:
-                await self._caller(message)
+            await self._caller(message)
         except RetryMessage as exc:
             await self._settle(message, "retry", exc.reason, exc.delay)
         except RejectMessage as exc:
             await self._settle(message, "reject", exc.reason)
-        except TimeoutError as exc:
-            if window.expired():
-                await self._timed_out(message)
-            else:  # the handler's own timeout: a failure like any other
-                await self._failed(message, exc)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # the pool cancelled it (stop)
+            if job.cancelled_for == "stop":
                 self._release([job])
                 raise
-            await self._failed(message, RuntimeError("the handler was cancelled"))
+            if job.cancelled_for == "timeout":
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                await self._timed_out(message)
+            else:  # not by the pool: the handler's own business, a failure
+                await self._failed(message, RuntimeError("the handler was cancelled"))
         except HandlerReturnedAwaitable as exc:
             self._stop_with(exc, job)  # a programming error: every message would fail
         except Exception as exc:
@@ -253,10 +260,27 @@ class WorkerPool:
             # swallow. Give the message back, stop the pool, and let run() raise it.
             self._stop_with(exc, job)
         else:
-            if window.expired():  # it swallowed the cancellation of its timeout
+            if job.cancelled_for == "timeout":  # it swallowed its cancellation
                 await self._timed_out(message)
             else:
                 await self._settle(message, "ack")
+
+    async def _watch_deadlines(self) -> None:
+        """Cancel handlers that run longer than ``max_processing``.
+
+        One look over the running handlers every eighth of ``max_processing`` (at most a
+        second), rather than a timer per message: a timer costs more than the rest of a
+        message's bookkeeping, and a deadline of minutes does not need a finer grain.
+        """
+        limit = self._settings.max_processing_s
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(max(limit / 8, 0.005), 1.0))
+            late = loop.time() - limit
+            for task, job in self._running.items():
+                if job.started <= late and job.cancelled_for is None:
+                    job.cancelled_for = "timeout"
+                    task.cancel()
 
     def _stop_with(self, exc: BaseException, job: _Job) -> None:
         self._release([job])
@@ -379,5 +403,6 @@ class WorkerPool:
                 len(tasks),
             )
             for task in tasks:
+                self._running[task].cancelled_for = "stop"
                 task.cancel()
             await asyncio.wait(tasks)
