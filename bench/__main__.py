@@ -6,7 +6,7 @@ create databases), uses SQLite files in a temp dir. Writes ``bench/results/<date
 the PNG plots under ``bench/results/plots/``, and rewrites the generated part of
 ``docs/benchmarks.md``.
 
-Sizes: default (``make bench``, ~15 minutes on 2 cores), ``--full`` (adds 10M tracked entries on
+Sizes: default (``make bench``, ~20 minutes on 2 cores), ``--full`` (adds 10M tracked entries on
 Postgres; much longer), ``--quick`` (a few minutes, smaller sizes), ``--smoke`` (seconds; the
 test suite's check that the code runs, figures meaningless).
 """
@@ -23,10 +23,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import consumer_overhead, ingest, redelivery, scale, scale_ranges
+from . import consumer_overhead, ingest, redelivery, scale, scale_ranges, worker_pool
 from .common import ROOT, Infra, ScenarioResult, infrastructure, machine
 
-SCENARIOS = ("consumer_overhead", "ingest", "redelivery", "scale", "scale_ranges")
+SCENARIOS = ("consumer_overhead", "ingest", "redelivery", "scale", "scale_ranges", "worker_pool")
+#: Scenarios without a tracker store (``--stores`` does not apply).
+STORELESS = ("consumer_overhead", "worker_pool")
 
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "default": {
@@ -35,6 +37,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "redelivery": {"burst_messages": 100_000, "steady_seconds": 15.0},
         "scale": {"sizes": (10_000, 100_000, 1_000_000), "api_seconds": 8.0},
         "scale_ranges": {"sizes": (10_000, 100_000, 1_000_000, 10_000_000)},
+        "worker_pool": {"backlog": 800_000},
     },
     "full": {
         "consumer_overhead": {"messages": 400_000, "repeat": 3, "latency_seconds": 15.0},
@@ -46,6 +49,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "api_seconds": 15.0,
         },
         "scale_ranges": {"sizes": (10_000, 100_000, 1_000_000, 10_000_000)},
+        "worker_pool": {"backlog": 1_600_000, "window_s": 8.0, "window_handlers": 60.0},
     },
     "quick": {
         "consumer_overhead": {"messages": 50_000, "repeat": 1, "latency_seconds": 4.0},
@@ -53,6 +57,13 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "redelivery": {"burst_messages": 20_000, "steady_seconds": 6.0},
         "scale": {"sizes": (10_000, 100_000), "reps": 5, "api_seconds": 4.0},
         "scale_ranges": {"sizes": (10_000, 1_000_000), "reps": 5},
+        "worker_pool": {
+            "concurrency": (1, 32, 512),
+            "backlog": 600_000,
+            "warmup_s": 1.0,
+            "window_s": 2.0,
+            "window_handlers": 15.0,
+        },
     },
     "smoke": {
         "consumer_overhead": {
@@ -84,6 +95,14 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "reps": 2,
             "api_requests": 3,
         },
+        "worker_pool": {
+            "handler_ms": (5,),
+            "concurrency": (1, 8),
+            "backlog": 50_000,
+            "warmup_s": 0.2,
+            "window_s": 0.4,
+            "window_handlers": 0.0,
+        },
     },
 }
 
@@ -97,7 +116,7 @@ async def run_all(
         if name not in only:
             continue
         kwargs = dict(params[name])
-        if stores is not None and name != "consumer_overhead":
+        if stores is not None and name not in STORELESS:
             kwargs["stores"] = stores
         print(f"\n== {name} ({profile}) ==", flush=True)
         started = time.perf_counter()
@@ -109,6 +128,8 @@ async def run_all(
             found = [await redelivery.run(infra, **kwargs)]
         elif name == "scale_ranges":
             found = [await scale_ranges.run(infra, **kwargs)]
+        elif name == "worker_pool":
+            found = [await worker_pool.run(infra, **kwargs)]
         else:
             found = list(await scale.run(infra, **kwargs))
         seconds = time.perf_counter() - started

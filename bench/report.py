@@ -96,6 +96,7 @@ def plots(document: dict[str, Any], directory: Path) -> list[Path]:
         ("scale", _plot_scale),
         ("scale_ranges", _plot_scale_ranges),
         ("api_load", _plot_api),
+        ("worker_pool", _plot_worker_pool),
     )
     for name, maker in makers:
         if name in by_name:
@@ -248,6 +249,64 @@ def _plot_api(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms")
     ax.set_title("Admin API latency under ingest load")
     ax.legend()
+    _save(fig, path)
+
+
+def _plot_worker_pool(data: dict[str, Any], path: Path) -> None:
+    """Throughput vs concurrency (log-log), one line per handler time, with the ideal
+    ``c / h`` (dotted), plain aiokafka with one consumer per partition (a square at its
+    ``partitions`` workers) and the no-op handler's rates (the CPU-bound maximum)."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(12, 5))
+    partitions = data["partitions"]
+    bound_label: str | None = "CPU- or machine-bound (not judged)"
+    for i, (h, runs) in enumerate(data["kmq"].items()):
+        color = f"C{i}"
+        cs = sorted(int(c) for c in runs)
+        ax.plot(cs, [runs[str(c)]["rate"] for c in cs], "o-", color=color, label=f"kmq, {h} ms")
+        ax.plot(cs, [c / (float(h) / 1000) for c in cs], ":", color=color, label=f"ideal, {h} ms")
+        plain = data["plain"].get(h)
+        if plain is not None:
+            ax.plot(
+                [partitions],
+                [plain["rate"]],
+                "s",
+                color=color,
+                markersize=9,
+                markerfacecolor="none",
+                label=f"plain aiokafka, {partitions} consumers, {h} ms",
+            )
+        bound = [c for c in cs if runs[str(c)].get("bound")]
+        if bound:
+            ax.plot(
+                bound,
+                [runs[str(c)]["rate"] for c in bound],
+                "x",
+                color="black",
+                markersize=10,
+                label=bound_label,
+            )
+            bound_label = None
+    noop = data.get("noop") or {}
+    if noop:
+        cs = sorted(int(c) for c in noop)
+        ax.plot(
+            cs,
+            [noop[str(c)]["rate"] for c in cs],
+            "--",
+            color="grey",
+            label="no-op handler (the CPU-bound maximum)",
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("handler completions/s")
+    ax.set_title(
+        f"KmqConsumer.run: throughput vs concurrency ({partitions} partitions, "
+        f"{data['message_bytes']} B, handler = asyncio.sleep(h))"
+    )
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
 
 

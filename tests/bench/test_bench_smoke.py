@@ -19,7 +19,15 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = {"consumer_overhead", "ingest", "redelivery", "scale", "scale_ranges", "api_load"}
+EXPECTED = {
+    "consumer_overhead",
+    "ingest",
+    "redelivery",
+    "scale",
+    "scale_ranges",
+    "api_load",
+    "worker_pool",
+}
 
 
 def test_every_scenario_runs_and_reports(kafka_bootstrap: str, tmp_path: Path) -> None:
@@ -56,6 +64,18 @@ def test_every_scenario_runs_and_reports(kafka_bootstrap: str, tmp_path: Path) -
                 assert figure["status"] in {"PASS", "MISS"}
                 assert figure["op"] in {"<=", ">="}
     assert targeted >= 10
+    # The worker-pool scenario measured every cell and its baseline, and judged each cell
+    # against its ideal unless the run was bound by the CPU or the machine.
+    pool = scenarios["worker_pool"]["data"]
+    assert pool["plain"]
+    assert pool["noop"]
+    assert pool["kmq"]
+    for handler_ms, runs in pool["kmq"].items():
+        assert handler_ms in pool["plain"]
+        for run in runs.values():
+            assert run["rate"] > 0
+            assert run["stats"]["acked"] > 0
+            assert run["bound"] in {None, "cpu", "machine"}
     summary = document["summary"]
     assert summary["pass"] + summary["miss"] == targeted
 
