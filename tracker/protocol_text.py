@@ -15,6 +15,21 @@ topic_cache: dict[bytes, str] = {}
 text_cache: dict[bytes, str] = {}
 
 
+_LEGAL_TOPIC_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def _not_ascii(raw: bytes) -> MarkerError:
+    """The error for a topic with a non-ASCII byte, worded as the C decoder words it: the
+    first byte that is not legal decides (an illegal ASCII byte before it names the topic)."""
+    for byte in raw:
+        if byte not in _LEGAL_TOPIC_BYTES:
+            if byte < 0x80:
+                shown = raw[:60].decode("ascii", "replace")
+                return MarkerError(f"{shown!r} is not a legal Kafka topic name")
+            break
+    return MarkerError("topic name is not ASCII")
+
+
 def decode_topic(raw: bytes) -> str:
     """A topic name from its bytes; :class:`MarkerError` if it is not a legal one."""
     name = topic_cache.get(raw)
@@ -22,7 +37,7 @@ def decode_topic(raw: bytes) -> str:
         try:
             name = raw.decode("ascii")
         except UnicodeDecodeError:
-            raise MarkerError("topic name is not ASCII") from None
+            raise _not_ascii(raw) from None
         if not is_valid_topic(name):
             raise MarkerError(f"{name[:60]!r} is not a legal Kafka topic name")
         if len(topic_cache) >= CACHE_LIMIT:

@@ -101,6 +101,24 @@ def test_both_decoders_agree_on_corrupted_and_truncated_values(
     assert _outcome(decode_marker, bytes(value)) == _outcome(py_decode_any, bytes(value))
 
 
+@pytest.mark.parametrize(
+    ("topic", "refusal"),
+    [
+        (b"\x00\x80", "is not a legal Kafka topic name"),  # an illegal ASCII byte comes first
+        (b"a\x80", "topic name is not ASCII"),
+        (b"a\x80\x00", "topic name is not ASCII"),
+    ],
+)
+def test_both_decoders_word_a_bad_topic_the_same(topic: bytes, refusal: str) -> None:
+    """Found by the test above: the first byte that is not legal decides the wording."""
+    value = encode_range_marker(RangeMarker.settle("g", "ab", 0, 0, 0))
+    value = value.replace(b"\x00\x02ab", len(topic).to_bytes(2, "big") + topic)
+    used, python = _outcome(decode_marker, value), _outcome(py_decode_any, value)
+    assert used == python
+    assert isinstance(used, str)
+    assert refusal in used
+
+
 @given(range_markers(), st.data())
 @settings(max_examples=200)
 def test_every_truncation_is_refused(marker: RangeMarker, data: st.DataObject) -> None:
