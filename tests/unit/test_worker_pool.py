@@ -12,6 +12,7 @@ losing the message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
@@ -25,13 +26,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.records import FakeRecord
 
-from tracker.client import KmqConsumer, KmqMessage, RejectMessage, RetryMessage
+from tracker.client import KmqConsumer, KmqMessage, RejectMessage, RetryMessage, workers
 from tracker.client.handlers import HandlerCaller, HandlerReturnedAwaitable, is_async_handler
 from tracker.client.message import MessageContext
 from tracker.client.ordering import Lanes, Ordering
 from tracker.client.ranges import ACKED, DIVERGED, SENT, OpenRange, RangeBook
 from tracker.client.workers import PoolSettings, TakenBatch, WorkerPool, WorkerStats
 from tracker.errors import ClientClosed, InvalidDelay
+from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker, MarkerKind
 from tracker.protocol_v2 import RangeKind, RangeMarker
 from tracker.testing import InMemoryMarkerSink
@@ -51,18 +53,28 @@ class FakeBatches:
         self.context = MessageContext(GROUP, self.sink, self.book)
         self._batches: asyncio.Queue[TakenBatch] = asyncio.Queue()
         self.offsets: dict[int, int] = defaultdict(int)
+        self.polls = 0  #: keep_alive calls
 
-    def add(self, keys: Sequence[bytes | None], partition: int = 0) -> list[KmqMessage]:
-        """One batch of first deliveries on ``partition`` with these keys, covered by a range."""
+    def add(
+        self, keys: Sequence[bytes | None], partition: int = 0, *, copies: bool = False
+    ) -> list[KmqMessage]:
+        """One batch on ``partition`` with these keys: first deliveries covered by a range, or
+        (``copies``) redelivered copies settled per message."""
         first = self.offsets[partition]
         self.offsets[partition] += len(keys)
-        opened = OpenRange(GROUP, TOPIC, partition, first, len(keys), all_open=True)
-        self.book.add(opened)
-        messages = [
-            KmqMessage(FakeRecord(TOPIC, partition, first + i, key=key), self.context, opened)
-            for i, key in enumerate(keys)
-        ]
-        self._batches.put_nowait(TakenBatch(messages, [opened], [], time.monotonic()))
+        records = [FakeRecord(TOPIC, partition, first + i, key=key) for i, key in enumerate(keys)]
+        if copies:
+            messages = [
+                KmqMessage(record, self.context, None, MessageId(TOPIC, 9, record.offset), 2)
+                for record in records
+            ]
+            batch = TakenBatch(messages, [], list(messages), time.monotonic())
+        else:
+            opened = OpenRange(GROUP, TOPIC, partition, first, len(keys), all_open=True)
+            self.book.add(opened)
+            messages = [KmqMessage(record, self.context, opened) for record in records]
+            batch = TakenBatch(messages, [opened], [], time.monotonic())
+        self._batches.put_nowait(batch)
         return messages
 
     async def take(self, wait_s: float) -> TakenBatch | None:
@@ -76,6 +88,12 @@ class FakeBatches:
 
     def send_later(self, marker: AnyMarker) -> None:
         self.sink.send_later(marker)
+
+    async def keep_alive(self) -> None:
+        self.polls += 1
+
+    def prefetched_extensions(self, lease_ms: int, older_than_s: float) -> list[AnyMarker]:
+        return []  # batches wait in the queue unSTARTed here
 
     def v1(self, kind: MarkerKind) -> list[Marker]:
         self.book.flush()
@@ -96,6 +114,8 @@ def pool_of(
     max_processing_s: float = 30.0,
     drain_s: float = 5.0,
     blocking: bool | None = None,
+    max_waiting: int | None = None,
+    keepalive_s: float = 100.0,
 ) -> WorkerPool:
     return WorkerPool(
         source,
@@ -106,7 +126,8 @@ def pool_of(
             lease_ms=lease_ms,
             max_processing_s=max_processing_s,
             drain_s=drain_s,
-            max_waiting=2 * max(concurrency, 500),
+            max_waiting=2 * max(concurrency, 500) if max_waiting is None else max_waiting,
+            keepalive_s=keepalive_s,
         ),
     )
 
@@ -514,7 +535,7 @@ async def test_a_revocation_drains_only_the_revoked_partitions() -> None:
     pool = pool_of(source, handler, concurrency=4)
     task = asyncio.create_task(pool.run())
     await until(lambda: pool.stats.most_in_progress == 4)
-    await pool.drain_partitions({(TOPIC, 0)})
+    await pool.drain_partitions({(TOPIC, 0)}, 5.0)
     assert all(map(acked, revoked))
     assert not any(map(acked, kept))
     gate.set()
@@ -555,6 +576,174 @@ async def test_a_blocking_handler_returning_a_coroutine_is_a_clear_error() -> No
     assert source.ranges(RangeKind.RANGE_EXTEND)[0].timeout_ms == 1
 
 
+async def test_a_handler_that_returns_after_the_stop_cancelled_it_is_given_back_not_acked() -> None:
+    """Cancelled at the end of the drain, a handler that swallows the cancellation and returns
+    cannot be known to have finished: its message goes back to the tracker, and stop ends."""
+    source = FakeBatches()
+    (message,) = source.add([b"k"])
+
+    async def handler(message: KmqMessage) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            return
+
+    pool = pool_of(source, handler, drain_s=0.05)
+    task = asyncio.create_task(pool.run())
+    await until(lambda: pool.stats.most_in_progress == 1)
+    pool.request_stop()
+    stats = await asyncio.wait_for(task, 5)
+    assert message.settled is None
+    assert (stats.acked, stats.released) == (0, 1)
+
+
+async def test_a_handler_that_ignores_cancellation_does_not_hang_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(workers, "ABANDON_WAIT_S", 0.1)
+    source = FakeBatches()
+    (_message,) = source.add([b"k"])
+    leave = asyncio.Event()
+
+    async def handler(message: KmqMessage) -> None:
+        while not leave.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await leave.wait()
+
+    pool = pool_of(source, handler, drain_s=0.05)
+    task = asyncio.create_task(pool.run())
+    try:
+        await until(lambda: pool.stats.most_in_progress == 1)
+        pool.request_stop()
+        stats = await asyncio.wait_for(task, 5)
+        assert stats.released == 1
+        assert source.ranges(RangeKind.RANGE_EXTEND)[0].timeout_ms == 1
+    finally:
+        leave.set()  # lets the abandoned handler end with the test
+
+
+async def test_a_timed_out_handler_that_raises_instead_leaves_its_worker_sound() -> None:
+    """The time-out's cancellation is taken back however the handler ends, so a later
+    cancellation inside a handler (its own business) is a failure, not the worker's end."""
+    source = FakeBatches()
+    messages = source.add([b"a", b"b", b"c"])
+
+    async def handler(message: KmqMessage) -> None:
+        if message.offset == 0:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                raise RetryMessage("gave up") from None
+        if message.offset == 1:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            future.cancel()
+            await future  # a CancelledError that is not the pool's
+
+    stats = await run_until(
+        pool_of(source, handler, concurrency=1, max_processing_s=0.05),
+        lambda: all(m.settled is not None for m in messages),
+    )
+    assert [m.settled for m in messages] == [MarkerKind.DELAY, MarkerKind.DELAY, MarkerKind.ACK]
+    assert stats.timed_out == 1
+    reasons = [m.reason for m in source.v1(MarkerKind.DELAY)]
+    assert reasons[1] == "RuntimeError: the handler was cancelled"
+
+
+async def test_a_timed_out_blocking_handler_keeps_its_lane_until_its_thread_returns() -> None:
+    source = FakeBatches()
+    messages = source.add([b"k", b"k"])
+    release = threading.Event()
+    running: list[int] = []
+    lock = threading.Lock()
+    overlap = False
+
+    def handler(message: KmqMessage) -> None:
+        nonlocal overlap
+        with lock:
+            overlap = overlap or bool(running)
+            running.append(message.offset)
+        if message.offset == 0:
+            release.wait(5)
+        with lock:
+            running.remove(message.offset)
+
+    pool = pool_of(source, handler, concurrency=4, ordering=Ordering.KEY, max_processing_s=0.05)
+    task = asyncio.create_task(pool.run())
+    await until(lambda: messages[0].settled is MarkerKind.DELAY)  # timed out: retried
+    await asyncio.sleep(0.1)  # the second message must still wait for the thread
+    assert messages[1].settled is None
+    release.set()
+    await until(lambda: acked(messages[1]))
+    pool.request_stop()
+    await task
+    assert not overlap
+
+
+async def test_released_copies_are_not_renewed_any_more() -> None:
+    """A revocation gives back the waiting copies (1 ms EXTEND); later renewals of the batch
+    cover the running one only."""
+    source = FakeBatches()
+    running, waiting = source.add([b"a", b"b"], copies=True)
+    gate = asyncio.Event()
+
+    async def handler(message: KmqMessage) -> None:
+        await gate.wait()
+
+    pool = pool_of(source, handler, concurrency=1, lease_ms=120)
+    task = asyncio.create_task(pool.run())
+    await until(lambda: pool.stats.most_in_progress == 1)
+    await pool.drain_partitions({(TOPIC, 0)}, 0.0)
+    extends = source.v1(MarkerKind.EXTEND)
+    assert [(m.offset, m.timeout_ms) for m in extends if m.offset == waiting.offset] == [
+        (waiting.offset, 1)
+    ]
+    count = len(extends)
+    await until(lambda: len(source.v1(MarkerKind.EXTEND)) >= count + 2)  # renewals go on
+    later = source.v1(MarkerKind.EXTEND)[count:]
+    assert {m.offset for m in later} == {running.offset}
+    gate.set()
+    pool.request_stop()
+    await task
+
+
+async def test_a_full_pool_keeps_polling_without_taking() -> None:
+    """Every slot busy and the wait list full: nothing is taken (nothing fetched), but the
+    group still sees the member poll."""
+    source = FakeBatches()
+    source.add([b"k"] * 3)
+    source.add([b"k"] * 3)
+    gate = asyncio.Event()
+
+    async def handler(message: KmqMessage) -> None:
+        await gate.wait()
+
+    pool = pool_of(
+        source, handler, concurrency=1, ordering=Ordering.KEY, max_waiting=2, keepalive_s=0.02
+    )
+    task = asyncio.create_task(pool.run())
+    await until(lambda: source.polls >= 3)
+    assert source._batches.qsize() == 1  # the second batch was not taken
+    gate.set()
+    pool.request_stop()
+    await task
+
+
+async def test_stop_called_from_a_task_a_handler_started_does_not_wait_for_the_pool() -> None:
+    source = FakeBatches()
+    (_message,) = source.add([b"k"])
+    pool: WorkerPool
+
+    async def handler(message: KmqMessage) -> None:
+        helper = asyncio.create_task(asyncio.sleep(0, pool.runs_here()))
+        assert await helper
+        pool.request_stop()
+
+    pool = pool_of(source, handler)
+    assert not pool.runs_here()
+    stats = await asyncio.wait_for(pool.run(), 5)
+    assert stats.acked == 1
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 
@@ -582,7 +771,7 @@ async def _handler(message: KmqMessage) -> None:
         ({"ordering": "fifo"}, ValueError, "ordering must be one of 'unordered', 'key'"),
         ({"max_processing": 5}, TypeError, "max_processing must be a datetime.timedelta"),
         ({"max_processing": timedelta(0)}, ValueError, "max_processing must be positive"),
-        ({"max_processing": timedelta(minutes=5)}, ValueError, "max_poll_interval_ms"),
+        ({"max_processing": timedelta(days=60)}, ValueError, "under ~49 days"),
         ({"drain_timeout": timedelta(seconds=-1)}, ValueError, "drain_timeout"),
     ],
 )

@@ -64,11 +64,16 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MARKERS_TOPIC = "kmq-markers"
 
+#: Batches the START pipeline fetches ahead of a worker pool at most.
+POOL_PIPELINE_DEPTH = 4
+
 #: The lease ``run()`` asks for and renews when the consumer leaves it to the tracker's policy.
 DEFAULT_RUN_LEASE = timedelta(seconds=30)
 
 #: aiokafka's default ``max_poll_interval_ms``.
 AIOKAFKA_MAX_POLL_INTERVAL_MS = 300_000
+#: aiokafka's default ``session_timeout_ms`` (its ``rebalance_timeout_ms`` defaults to it).
+AIOKAFKA_SESSION_TIMEOUT_MS = 10_000
 
 
 def default_consumer_id() -> str:
@@ -174,9 +179,7 @@ class KmqConsumer:
         )
         #: counts rebalances: batches fetched before one are not handed over
         self._rebalances = _Rebalances(self._on_revoked)
-        self._max_poll_interval_ms = int(
-            (consumer_config or {}).get("max_poll_interval_ms", AIOKAFKA_MAX_POLL_INTERVAL_MS)
-        )
+        self._group_timeouts = _GroupTimeouts.of(consumer_config or {})
         self._consumer.subscribe(list(topics), listener=self._rebalances)
         self._producer: Any = None
         if marker_sink is None:
@@ -218,13 +221,19 @@ class KmqConsumer:
         self._running = True
 
     async def stop(self) -> None:
-        """Flush queued markers, then leave the group and close."""
+        """Flush queued markers, then leave the group and close.
+
+        While :meth:`run` runs, it first stops the pool (which drains) and waits for it.
+        Called from inside a handler (or a task a handler started), it only asks the pool to
+        stop and returns at once: the pool waits for that handler, and the consumer closes
+        when ``stop()`` is called again (by ``async with``, for one).
+        """
         if not self._running:
             return
         pool = self._pool
         if pool is not None:
             pool.request_stop()
-            if pool.runs(asyncio.current_task()):
+            if pool.runs_here():
                 return  # called by a handler: run() drains and returns; closing comes after
             await pool.finished()
         self._running = False
@@ -351,12 +360,8 @@ class KmqConsumer:
             if not isinstance(value, timedelta):
                 raise TypeError(f"{name} must be a datetime.timedelta, got {value!r}")
         max_s = max_processing.total_seconds()
-        if not 0 < max_s * 1000 < self._max_poll_interval_ms:
-            raise ValueError(
-                f"max_processing must be positive and shorter than max_poll_interval_ms "
-                f"({self._max_poll_interval_ms} ms): when every handler hangs the pool takes "
-                "nothing, and the group drops a member that does not poll for that long"
-            )
+        if not 0 < max_s * 1000 <= MAX_TIMEOUT_MS:
+            raise ValueError("max_processing must be positive (and under ~49 days)")
         if drain_timeout < timedelta(0):
             raise ValueError("drain_timeout must not be negative")
         if not callable(handler):
@@ -366,6 +371,10 @@ class KmqConsumer:
         if self._pool is not None or self._handed_out:
             raise RuntimeError("run() takes over the consumer: call it once, before any getmany")
         caller = HandlerCaller(handler, blocking=blocking, threads=concurrency)
+        # The pool keeps its own list of waiting messages (renewed): a few batches fetched
+        # ahead are enough to hide the START round trips; more would be read twice after a
+        # rebalance and given back on stop.
+        self._pipeline_depth = min(self._pipeline_depth, POOL_PIPELINE_DEPTH)
         if not self._timeout_ms:
             # The pool renews leases, so it must know them: ask for one explicitly.
             self._timeout_ms = round(DEFAULT_RUN_LEASE.total_seconds() * 1000)
@@ -376,6 +385,7 @@ class KmqConsumer:
             max_processing_s=max_s,
             drain_s=drain_timeout.total_seconds(),
             max_waiting=2 * max(concurrency, self._max_batch),
+            keepalive_s=self._group_timeouts.max_poll_interval_ms / 3000,
         )
         self._pool = pool = WorkerPool(_PoolSource(self), caller, settings)
         try:
@@ -387,13 +397,17 @@ class KmqConsumer:
         """The group takes partitions away (aiokafka waits for this before the rebalance goes
         on): let run()'s pool finish what it holds of them, and commit what was handed over,
         so their next owner starts where this one stopped."""
+        # The group waits for this member up to its rebalance timeout: drain for at most half
+        # of it, and leave time for the commit after.
+        budget_s = self._group_timeouts.rebalance_timeout_ms / 2000
         pool = self._pool
         if pool is not None and revoked:
-            await pool.drain_partitions({(tp.topic, tp.partition) for tp in revoked})
+            drain_s = min(pool.drain_s, budget_s)
+            await pool.drain_partitions({(tp.topic, tp.partition) for tp in revoked}, drain_s)
         self._book.flush()
         task = self._committing
         if task is not None and not task.done():
-            await asyncio.wait({task})
+            await asyncio.wait({task}, timeout=budget_s / 2)
 
     async def _take(self, timeout_ms: int) -> TakenBatch | None:
         if self.marker_version == 2:
@@ -618,6 +632,24 @@ def _taken(planned: list[Planned]) -> list[tuple[MessageId, int]]:
     return [(p.origin, p.attempt) for p in planned if p.action is not Action.SKIP]
 
 
+@dataclass(frozen=True, slots=True)
+class _GroupTimeouts:
+    """The group-membership timeouts of the consumer's aiokafka settings (or their defaults)."""
+
+    max_poll_interval_ms: int  #: the group drops a member that does not poll for this long
+    rebalance_timeout_ms: int  #: how long the group waits for members to rejoin
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> _GroupTimeouts:
+        return cls(
+            int(config.get("max_poll_interval_ms", AIOKAFKA_MAX_POLL_INTERVAL_MS)),
+            int(
+                config.get("rebalance_timeout_ms")
+                or config.get("session_timeout_ms", AIOKAFKA_SESSION_TIMEOUT_MS)
+            ),
+        )
+
+
 class _PoolSource:
     """The consumer as a worker pool's source of batches."""
 
@@ -632,6 +664,32 @@ class _PoolSource:
 
     def send_later(self, marker: AnyMarker) -> None:
         self._consumer._sink.send_later(marker)
+
+    async def keep_alive(self) -> None:
+        """Poll with every partition paused: the group sees a live member, nothing is fetched
+        (what was buffered for a paused partition is dropped and fetched again later: its
+        position does not move)."""
+        consumer = self._consumer._consumer
+        assigned = consumer.assignment()
+        consumer.pause(*assigned)
+        try:
+            await consumer.getmany(timeout_ms=0)
+        finally:
+            consumer.resume(*(assigned & consumer.assignment()))
+
+    def prefetched_extensions(self, lease_ms: int, older_than_s: float) -> list[AnyMarker]:
+        consumer = self._consumer
+        pipeline = consumer._pipeline
+        if pipeline is None:
+            return []
+        now = time.monotonic()
+        markers: list[AnyMarker] = []
+        for item in pipeline.waiting():
+            if now - item.sent_at >= older_than_s:
+                prepared = _Prepared(item.plans, item.sent_at, lease_ms, consumer.group_id)
+                markers += prepared.extensions(lease_ms)
+                item.sent_at = now
+        return markers
 
 
 class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]

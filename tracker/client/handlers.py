@@ -76,6 +76,8 @@ class HandlerCaller:
         self._handler = handler
         self.blocking = not is_async_handler(handler) if blocking is None else blocking
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: the thread of each worker's call the worker stopped waiting for
+        self._threads: dict[asyncio.Task[None], asyncio.Future[Any]] = {}
         if self.blocking:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=threads, thread_name_prefix="kmq-handler"
@@ -87,8 +89,17 @@ class HandlerCaller:
             if inspect.isawaitable(result):
                 await result
             return
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, self._handler, message)
+        thread = asyncio.wrap_future(self._executor.submit(self._handler, message))
+        task = asyncio.current_task()
+        if task is not None:
+            self._threads[task] = thread
+        try:
+            # Shielded: cancelling the caller (a time-out, a stop) cannot stop the thread;
+            # thread_ended() waits for it.
+            result = await asyncio.shield(thread)
+        finally:
+            if task is not None and thread.done():
+                del self._threads[task]
         if inspect.isawaitable(result):
             if inspect.iscoroutine(result):
                 result.close()  # never awaited: no "coroutine was never awaited" warning
@@ -96,6 +107,14 @@ class HandlerCaller:
                 "the handler ran in a thread and returned an awaitable; declare it "
                 "`async def`, or pass blocking=False"
             )
+
+    async def thread_ended(self, task: asyncio.Task[None]) -> None:
+        """Wait until the thread of ``task``'s last (cancelled) call has returned."""
+        thread = self._threads.pop(task, None)
+        if thread is not None:
+            await asyncio.wait((thread,))
+            if not thread.cancelled():
+                thread.exception()  # its outcome is not used; retrieved, so not "lost"
 
     def close(self) -> None:
         """Let the threads go; a thread still inside a handler (one that outlived

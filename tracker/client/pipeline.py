@@ -97,6 +97,7 @@ class StartPipeline:
         self._handed: tuple[int, float] | None = None  #: the last hand-over: records, when
         self._room = asyncio.Event()  #: set whenever the application takes a batch
         self._putting: InFlight | None = None  #: fetched, waiting for room in the queue
+        self._fetched: list[InFlight] = []  #: every batch fetched and not handed over (or dropped)
 
     def _may_fetch(self) -> bool:
         """At least one batch ahead; more while they hold less than ``ahead_s`` of work."""
@@ -127,6 +128,7 @@ class StartPipeline:
             # records of the new assignment.
             made_in = 0 if self._generation is None else self._generation()
             self._putting = InFlight(fetched, plans, acked, self._clock(), count, size, made_in)
+            self._fetched.append(self._putting)
             await self._queue.put(self._putting)
             self._putting = None
 
@@ -148,6 +150,7 @@ class StartPipeline:
         """It leaves the pipeline (handed over or dropped): room for more."""
         self._queued -= head.count
         self._queued_bytes -= head.size
+        self._fetched.remove(head)
         _retrieve(head.acked)
         self._room.set()
 
@@ -203,6 +206,10 @@ class StartPipeline:
         self._head = None
         return self._hand_over(head)
 
+    def waiting(self) -> list[InFlight]:
+        """The batches fetched and not handed over yet, in fetch order."""
+        return list(self._fetched)
+
     async def _read_again(self) -> None:
         """Drop the head and every batch behind it; seek back to where the head began."""
         first: dict[Any, int] = {}
@@ -224,6 +231,7 @@ class StartPipeline:
             self._putting = None
         for item in left:
             _retrieve(item.acked)
+        self._fetched.clear()
         self._queued = self._queued_bytes = 0
         self._room.set()
         return left

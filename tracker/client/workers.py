@@ -17,14 +17,15 @@ pipeline fetches only what the application takes), so memory stays bounded whate
 Leases are renewed per batch, not per message: every sixth of the lease, each batch whose lease is
 a third gone or more gets one RANGE_EXTEND for the offsets still unsettled (waiting or in
 progress), plus a per-message EXTEND for copies. A handler that runs longer than
-``max_processing`` is cancelled (a blocking one cannot be: its thread runs on, its result
-unused) and its message retried.
+``max_processing`` is cancelled and its message retried (a blocking one cannot be cancelled: its
+slot and lane stay taken until its thread returns, its result unused). While full, the pool
+takes nothing but polls the group with every partition paused, so it stays a member.
 
 On stop, on cancellation of ``run`` and on the revocation of partitions, the pool takes nothing
 new and lets what it holds finish, waiting messages included (so per-key order survives a
 rebalance), for up to ``drain_timeout``; what is left is given back to the tracker with an EXTEND
-of 1 ms (redelivered at once). On stop, handlers still running then are cancelled; on a
-revocation they run on and settle their messages when they finish.
+of 1 ms (redelivered at once). On stop, handlers still running then are cancelled and their
+messages given back; on a revocation they run on and settle their messages when they finish.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -48,6 +50,15 @@ from .ordering import Lanes, Ordering, lane_function
 from .ranges import OpenRange
 
 log = logging.getLogger(__name__)
+
+#: The pool whose handler runs in this context (tasks a handler starts inherit it).
+HANDLING: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar(
+    "kmq_handling", default=None
+)
+
+#: How long ``stop`` waits for handlers it cancelled, and for the pool's tasks, to end: a handler
+#: that ignores its cancellation is left behind (its message already given back).
+ABANDON_WAIT_S = 2.0
 
 #: How long one ``take`` waits for a batch: what a stop request may wait for the loop to notice.
 TAKE_WAIT_S = 0.2
@@ -78,6 +89,15 @@ class BatchSource(Protocol):
 
     def send_later(self, marker: AnyMarker) -> None:
         """Queue a marker nobody waits for."""
+        ...
+
+    async def keep_alive(self) -> None:
+        """Poll the group without taking records (the pool is full)."""
+        ...
+
+    def prefetched_extensions(self, lease_ms: int, older_than_s: float) -> list[AnyMarker]:
+        """EXTENDs of ``lease_ms`` for batches fetched ahead whose leases run longer than
+        ``older_than_s`` (their leases count from now on)."""
         ...
 
 
@@ -112,16 +132,20 @@ class _Job:
     started: float = 0.0  #: when its handler started (the loop's clock)
     #: why the pool cancelled its handler: "timeout" (max_processing) or "stop" (drain over)
     cancelled_for: str | None = None
+    released: bool = False  #: given back to the tracker
 
 
 @dataclass(slots=True)
 class PoolSettings:
     concurrency: int
     ordering: Ordering
-    lease_ms: int  #: what each renewal asks for; renewed when half of it is gone
+    lease_ms: int  #: what each renewal asks for; renewed when a third of it is gone
     max_processing_s: float
     drain_s: float
     max_waiting: int  #: messages taken and not started, at most (before the next batch)
+    #: while it takes nothing, the pool polls (records paused) this often, so that the group
+    #: does not drop it as a stalled member (a third of ``max_poll_interval_ms``)
+    keepalive_s: float = 100.0
     clock: Callable[[], float] = field(default=time.monotonic)
 
 
@@ -157,50 +181,83 @@ class WorkerPool:
             loop.create_task(self._renew(), name="kmq-lease-renewal"),
             loop.create_task(self._watch_deadlines(), name="kmq-handler-deadlines"),
         ]
+        context = contextvars.copy_context()
+        context.run(HANDLING.set, self)
         self._workers = [
-            loop.create_task(self._worker(), name=f"kmq-worker-{i}")
+            loop.create_task(self._worker(), name=f"kmq-worker-{i}", context=context)
             for i in range(self._settings.concurrency)
         ]
+        for worker in self._workers:
+            worker.add_done_callback(self._worker_ended)
         try:
-            while not self._stop:
-                s = self._settings
-                if self._lanes.ready >= s.concurrency or self._lanes.waiting >= s.max_waiting:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                try:
-                    batch = await self._source.take(TAKE_WAIT_S)
-                except MarkerWriteFailed as exc:
-                    # Not handed over, offsets not committed: the batch is read again.
-                    log.warning("STARTs not acknowledged (%s); reading the batch again", exc)
-                    await asyncio.sleep(RETRY_PAUSE_S)
-                    continue
-                if batch is not None and not self._stop:
-                    self._add(batch)
-                elif batch is not None:
-                    self._release([_Job(m, _Lease([], [], 0, 0)) for m in batch.messages])
+            await self._take_batches()
         finally:
-            self._stop = True
             try:
-                await self._drain(lambda job: True, abandon=True)
+                self._stop = True
+                await self._drain(lambda job: True, self._settings.drain_s, abandon=True)
             finally:
-                for task in side_tasks + self._workers:
-                    task.cancel()
-                await asyncio.wait(side_tasks + self._workers)
-                self._caller.close()
-                self._finished.set()
+                try:
+                    self._dispatching = False
+                    self._release(self._lanes.remove(lambda job: True))  # if the drain was cut
+                    tasks = side_tasks + self._workers
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.wait(tasks, timeout=ABANDON_WAIT_S)
+                    self._caller.close()
+                finally:
+                    self._finished.set()
         if self._fatal is not None:
             raise self._fatal
         return self.stats
+
+    async def _take_batches(self) -> None:
+        s = self._settings
+        while not self._stop:
+            if self._lanes.ready >= s.concurrency or self._lanes.waiting >= s.max_waiting:
+                # Full: take nothing (so nothing is fetched), but keep the membership.
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), s.keepalive_s)
+                except TimeoutError:
+                    await self._source.keep_alive()
+                continue
+            try:
+                batch = await self._source.take(TAKE_WAIT_S)
+            except MarkerWriteFailed as exc:
+                # Not handed over, offsets not committed: the batch is read again.
+                log.warning("STARTs not acknowledged (%s); reading the batch again", exc)
+                await asyncio.sleep(RETRY_PAUSE_S)
+                continue
+            if batch is None:
+                continue
+            if self._stop:
+                self._release([_Job(m, _Lease([], [], 0, 0)) for m in batch.messages])
+            else:
+                self._add(batch)
+
+    def _worker_ended(self, task: asyncio.Task[None]) -> None:
+        """A worker ends only when the pool stops; if one ends otherwise, stop the pool
+        rather than run on with fewer workers (or none) while leases are renewed."""
+        if task.cancelled() or self._stop:
+            return
+        error = task.exception() or RuntimeError(f"{task.get_name()} ended")
+        log.error("a worker of the pool ended unexpectedly: stopping the pool", exc_info=error)
+        if self._fatal is None:
+            self._fatal = error
+        self.request_stop()
 
     def request_stop(self) -> None:
         """Take nothing more; :meth:`run` drains and returns."""
         self._stop = True
         self._wake.set()
 
-    def runs(self, task: asyncio.Task[object] | None) -> bool:
-        """Whether ``task`` is one of the pool's handlers."""
-        return task in self._running
+    @property
+    def drain_s(self) -> float:
+        return self._settings.drain_s
+
+    def runs_here(self) -> bool:
+        """Whether the caller runs inside one of this pool's handlers (or a task it started)."""
+        return HANDLING.get() is self
 
     async def finished(self) -> None:
         """Wait until :meth:`run` has drained and is about to return."""
@@ -218,10 +275,14 @@ class WorkerPool:
         """Hand ready jobs to idle workers (a busy worker takes its next job itself)."""
         idle, lanes = self._idle, self._lanes
         while idle and self._dispatching:
+            waiter = idle.popleft()
+            if waiter.done():  # its worker was cancelled
+                continue
             job = lanes.pop_ready()
             if job is None:
+                idle.appendleft(waiter)
                 return
-            idle.popleft().set_result(job)
+            waiter.set_result(job)
 
     def _start(self, task: asyncio.Task[None], job: _Job) -> None:
         job.started = asyncio.get_running_loop().time()
@@ -231,7 +292,8 @@ class WorkerPool:
         stats.most_in_progress = max(stats.most_in_progress, len(running))
 
     async def _worker(self) -> None:
-        """Run jobs one after another; wait (idle) only when none is ready.
+        """Run jobs one after another; wait (idle) only when none is ready; end when the pool
+        stops handing out jobs.
 
         A long-lived worker per slot, not a task per message: when a handler returns, its
         worker starts the next ready message at once, without a new task, a done callback and
@@ -242,20 +304,18 @@ class WorkerPool:
         if task is None:  # pragma: no cover - run() starts workers as tasks
             raise RuntimeError("a worker runs as a task")
         lanes = self._lanes
-        while True:
-            job = lanes.pop_ready() if self._dispatching else None
+        while self._dispatching:
+            job = lanes.pop_ready()
             if job is None:
                 waiter: asyncio.Future[_Job | None] = loop.create_future()
                 self._idle.append(waiter)
                 try:
                     job = await waiter
                 except asyncio.CancelledError:
-                    if not waiter.done():
-                        self._idle.remove(waiter)
-                    elif not waiter.cancelled() and (handed := waiter.result()) is not None:
+                    if not waiter.cancelled() and (handed := waiter.result()) is not None:
                         # Handed a job as it was cancelled (the pool is going away).
-                        self._finish(handed)
                         self._release([handed])
+                        self._finish(handed)
                     raise
                 if job is None:
                     return
@@ -275,39 +335,54 @@ class WorkerPool:
     # -- one message ----------------------------------------------------------------------
 
     async def _work(self, job: _Job, task: asyncio.Task[None]) -> None:
+        """Run the handler; settle the message as its outcome says.
+
+        The pool cancels a handler for two reasons, kept in ``job.cancelled_for``: "timeout"
+        (it ran past ``max_processing``: retried, whatever the handler did with the
+        cancellation) and "stop" (the drain is over: given back, even if the handler returned:
+        it cannot be known to have finished). Each costs one ``uncancel`` so that the
+        long-lived worker's cancellation count stays right.
+        """
         message = job.message
+        error: BaseException | None = None
         try:
             await self._caller(message)
-        except RetryMessage as exc:
-            await self._settle(message, "retry", exc.reason, exc.delay)
-        except RejectMessage as exc:
-            await self._settle(message, "reject", exc.reason)
-        except asyncio.CancelledError:
-            if job.cancelled_for == "stop":
+        except BaseException as exc:  # sorted out below
+            error = exc
+        why = job.cancelled_for
+        if why is not None and task.cancelling():
+            task.uncancel()
+        if error is not None and not isinstance(error, Exception | asyncio.CancelledError):
+            # Not the message's fault, and not ours to swallow: give the message back, stop
+            # the pool, and let run() raise it.
+            self._stop_with(error, job)
+        elif why == "stop":
+            self._release([job])
+            if isinstance(error, asyncio.CancelledError):
+                raise error
+        elif why == "timeout":
+            await self._timed_out(message)
+            if self._caller.blocking:
+                # A thread cannot be interrupted: the slot and the lane stay taken until it
+                # ends, so no two messages of a key run at once and no more than
+                # `concurrency` threads are busy.
+                await self._caller.thread_ended(task)
+        elif error is None:
+            await self._settle(message, "ack")
+        elif isinstance(error, RetryMessage):
+            await self._settle(message, "retry", error.reason, error.delay)
+        elif isinstance(error, RejectMessage):
+            await self._settle(message, "reject", error.reason)
+        elif isinstance(error, HandlerReturnedAwaitable):
+            self._stop_with(error, job)  # a programming error: every message would fail
+        elif isinstance(error, asyncio.CancelledError):
+            if self._stop and task.cancelling():  # the pool is going away
                 self._release([job])
-                raise
-            if job.cancelled_for == "timeout":
-                task.uncancel()
-                await self._timed_out(message)
-            elif task.cancelling():  # the pool is going away
-                self._release([job])
-                raise
-            else:  # not by the pool: the handler's own business, a failure
-                await self._failed(message, RuntimeError("the handler was cancelled"))
-        except HandlerReturnedAwaitable as exc:
-            self._stop_with(exc, job)  # a programming error: every message would fail
-        except Exception as exc:
-            await self._failed(message, exc)
-        except BaseException as exc:
-            # KeyboardInterrupt, SystemExit, ...: not the message's fault, and not ours to
-            # swallow. Give the message back, stop the pool, and let run() raise it.
-            self._stop_with(exc, job)
+                raise error
+            # Not by the pool: the handler's own business, a failure.
+            await self._failed(message, RuntimeError("the handler was cancelled"))
         else:
-            if job.cancelled_for == "timeout":  # it swallowed its cancellation
-                task.uncancel()
-                await self._timed_out(message)
-            else:
-                await self._settle(message, "ack")
+            await self._failed(message, error)
 
     async def _watch_deadlines(self) -> None:
         """Cancel handlers that run longer than ``max_processing``.
@@ -387,40 +462,50 @@ class WorkerPool:
                 if now - lease.renewed_at >= lease_s / 3:
                     lease.renewed_at = now
                     markers += extensions(lease.ranges, lease.loose, s.lease_ms)
+            # And the batches fetched ahead, STARTed, not taken yet: their leases run too.
+            markers += self._source.prefetched_extensions(s.lease_ms, lease_s / 3)
             if not markers:
                 continue
-            self.stats.renewals += len(markers)
             try:
                 await self._source.send_all(markers)
             except MarkerWriteFailed as exc:
                 log.warning("lease renewal not acknowledged (%s); will try again", exc)
                 for lease in live:
                     lease.renewed_at = min(lease.renewed_at, now - lease_s / 3)
+            else:
+                self.stats.renewals += len(markers)
 
     def _release(self, jobs: Iterable[_Job]) -> None:
-        jobs = list(jobs)
+        """Give unsettled messages back to the tracker; their leases are no longer renewed."""
+        jobs = [job for job in jobs if not job.released]
         for job in jobs:
-            if job.message.settled is None:
+            job.released = True
+            message = job.message
+            if message.settled is None:
                 self.stats.released += 1
+                if message in job.lease.loose:  # a range's offsets are marked in the range
+                    job.lease.loose.remove(message)
         for marker in releases(job.message for job in jobs):
             self._source.send_later(marker)
 
     # -- draining -------------------------------------------------------------------------
 
-    async def drain_partitions(self, partitions: set[tuple[str, int]]) -> None:
+    async def drain_partitions(self, partitions: set[tuple[str, int]], timeout_s: float) -> None:
         """The group takes ``partitions`` away: finish what the pool holds of them (waiting
-        messages too) within the drain timeout, give back what is left. Handlers still running
+        messages too) within ``timeout_s``, give back what is left. Handlers still running
         then run on."""
 
         def revoked(job: _Job) -> bool:
             message = job.message
             return (message.topic, message.partition) in partitions
 
-        await self._drain(revoked, abandon=False)
+        await self._drain(revoked, timeout_s, abandon=False)
 
-    async def _drain(self, matches: Callable[[_Job], bool], *, abandon: bool) -> None:
+    async def _drain(
+        self, matches: Callable[[_Job], bool], timeout_s: float, *, abandon: bool
+    ) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._settings.drain_s
+        deadline = loop.time() + timeout_s
 
         def holding() -> bool:
             return any(map(matches, self._running.values())) or self._lanes.any_waiting(matches)
@@ -436,9 +521,15 @@ class WorkerPool:
         if given_back:
             log.info("gave %d waiting messages back to the tracker", len(given_back))
             self._release(given_back)
+            for job in given_back:
+                job.lease.left -= 1
         if not abandon:
             return
         self._dispatching = False
+        for waiter in self._idle:  # idle workers end
+            if not waiter.done():
+                waiter.set_result(None)
+        self._idle.clear()
         tasks = [task for task, job in self._running.items() if matches(job)]
         if tasks:
             log.warning(
@@ -449,4 +540,11 @@ class WorkerPool:
             for task in tasks:
                 self._running[task].cancelled_for = "stop"
                 task.cancel()
-            await asyncio.wait(tasks)
+            _, stuck = await asyncio.wait(tasks, timeout=ABANDON_WAIT_S)
+            if stuck:
+                self._release(self._running[task] for task in stuck if task in self._running)
+                log.error(
+                    "%d handlers ignored their cancellation; left running (their messages "
+                    "were given back)",
+                    len(stuck),
+                )
