@@ -59,8 +59,10 @@ def payload(size: int, sent: float = 0.0) -> bytes:
     return _TS.pack(sent) + b"x" * max(0, size - _TS.size)
 
 
-async def fill_topic(bootstrap: str, topic: str, count: int, size: int) -> float:
-    """Produce ``count`` records of ``size`` bytes round-robin over the partitions (batch API);
+async def fill_topic(
+    bootstrap: str, topic: str, count: int, size: int, partitions: int = PARTITIONS
+) -> float:
+    """Produce ``count`` records of ``size`` bytes round-robin over ``partitions`` (batch API);
     returns the produce rate (records/s)."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     await producer.start()
@@ -80,7 +82,7 @@ async def fill_topic(bootstrap: str, topic: str, count: int, size: int) -> float
                 n += 1
             batch.close()
             futures.append(await producer.send_batch(batch, topic, partition=partition))
-            partition = (partition + 1) % PARTITIONS
+            partition = (partition + 1) % partitions
             sent += n
             if len(futures) >= 64:
                 await asyncio.gather(*futures)

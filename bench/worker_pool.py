@@ -41,10 +41,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer
 
 from tracker.client import KmqConsumer
 
+from . import consumer_overhead
 from .common import (
     FAST_GROUP,
     Figure,
@@ -78,34 +79,11 @@ STOP_TIMEOUT_S = 60.0
 
 
 async def fill_topic(bootstrap: str, topic: str, count: int) -> float:
-    """Produce ``count`` records of :data:`MESSAGE_BYTES` round-robin over the partitions (batch
-    API, as scenario 1 does); returns the produce rate (records/s)."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
-    await producer.start()
-    watch = Stopwatch()
-    try:
-        value = b"x" * MESSAGE_BYTES
-        per_batch = 2000
-        futures = []
-        sent = partition = 0
-        while sent < count:
-            batch = producer.create_batch()
-            n = 0
-            while n < per_batch and sent + n < count:
-                if batch.append(key=None, value=value, timestamp=None) is None:
-                    break
-                n += 1
-            batch.close()
-            futures.append(await producer.send_batch(batch, topic, partition=partition))
-            partition = (partition + 1) % PARTITIONS
-            sent += n
-            if len(futures) >= 64:
-                await asyncio.gather(*futures)
-                futures.clear()
-        await asyncio.gather(*futures)
-    finally:
-        await producer.stop()
-    return count / watch.seconds
+    """Produce ``count`` records of :data:`MESSAGE_BYTES` round-robin over the partitions (as
+    scenario 1 does); returns the produce rate (records/s)."""
+    return await consumer_overhead.fill_topic(
+        bootstrap, topic, count, MESSAGE_BYTES, partitions=PARTITIONS
+    )
 
 
 # -- CPU accounting ---------------------------------------------------------------------------
