@@ -86,9 +86,7 @@ async def raw_produce_rate(bootstrap: str, topic: str, count: int) -> float:
         await producer.stop()
 
 
-async def burst(
-    infra: Infra, store: str, count: int, min_lease_ms: int = 5_000
-) -> dict[str, float]:
+async def burst(infra: Infra, store: str, count: int, min_lease_ms: int = 5_000) -> dict[str, Any]:
     bootstrap = infra.bootstrap
     queue = await create_topic(bootstrap, unique("bench-s3a-queue"), PARTITIONS)
     retry = await create_topic(bootstrap, unique("bench-s3a-retry"), PARTITIONS)
@@ -129,6 +127,7 @@ async def burst(
             t1 = await wait_until(
                 lambda: redelivered._value.get() >= total, 300, "all copies", 0.005
             )
+            phases = _phase_means_ms(tracker.metrics)
         finally:
             await tracker.close()
     finally:
@@ -140,6 +139,7 @@ async def burst(
         "raw_produce_rate": raw,
         "seconds": t1 - t0,
         "starts_written_seconds": write_seconds,
+        "phase_mean_ms": phases,
     }
 
 
@@ -222,6 +222,28 @@ def _histogram_mean_count(histogram: Any) -> tuple[float, int]:
     return (total / count if count else float("nan")), int(count)
 
 
+PHASES = ("claim", "read", "produce", "ack", "record")
+
+
+def _phase_means_ms(metrics: Any) -> dict[str, float]:
+    """Mean time of each redelivery phase (``kmq_redelivery_phase_seconds``), in ms."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for sample in metrics.redelivery_phase.collect()[0].samples:
+        phase = sample.labels.get("phase")
+        if sample.name.endswith("_sum"):
+            sums[phase] = sample.value
+        elif sample.name.endswith("_count"):
+            counts[phase] = sample.value
+    return {
+        p: sums.get(p, 0.0) / counts[p] * 1000 if counts.get(p) else float("nan") for p in PHASES
+    }
+
+
+def _phases_note(phases: dict[str, float]) -> str:
+    return ", ".join(f"{p} {phases[p]:.1f}" for p in PHASES) + " ms per round"
+
+
 async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[str, Any]:
     bootstrap = infra.bootstrap
     queue = await create_topic(bootstrap, unique("bench-s3b-queue"), PARTITIONS)
@@ -271,6 +293,8 @@ async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[st
             tracker_p50 = _histogram_quantile(histogram, 0.5)
             tracker_p99 = _histogram_quantile(histogram, 0.99)
             rounds = _histogram_mean_count(tracker.metrics.redelivery_seconds)
+            claim_lateness = _histogram_mean_count(histogram)[0]
+            phases = _phase_means_ms(tracker.metrics)
         finally:
             stop.set()
             for task in readers:
@@ -295,6 +319,9 @@ async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[st
         "tracker_histogram_p99_le_s": tracker_p99,
         "redelivery_round_mean_ms": rounds[0] * 1000,
         "redelivery_rounds": rounds[1],
+        # From due + ack_grace to the claim: the wake-up path (safe horizon, notify_safe).
+        "wake_mean_ms": claim_lateness * 1000 - ACK_GRACE.total_seconds() * 1000,
+        "phase_mean_ms": phases,
         "samples_ms": sorted(round(x * 1000) for x in lateness),
     }
 
@@ -340,6 +367,14 @@ async def run(
                 note=f"{b['copies']:,} copies in {b['seconds']:.1f} s",
             )
         )
+        result.add(
+            Figure(
+                f"(a) {store}: claim + read + produce per round (rounds overlap)",
+                sum(b["phase_mean_ms"][p] for p in ("claim", "read", "produce")),
+                "ms",
+                note=_phases_note(b["phase_mean_ms"]),
+            )
+        )
     for store in stores:
         s = await steady(infra, store, steady_rate, steady_seconds)
         samples = s.pop("samples_ms")
@@ -379,10 +414,19 @@ async def run(
         )
         result.add(
             Figure(
+                f"(b) {store}: mean wake-up, due + ack_grace -> claim",
+                s["wake_mean_ms"],
+                "ms",
+                note="kmq_redelivery_lateness_seconds mean less ack_grace: the safe horizon "
+                "(ingest reading past the deadline) and notify_safe",
+            )
+        )
+        result.add(
+            Figure(
                 f"(b) {store}: mean redelivery round",
                 s["redelivery_round_mean_ms"],
                 "ms",
-                note=f"{s['redelivery_rounds']} rounds (claim, read originals, produce, record)",
+                note=f"{s['redelivery_rounds']} rounds; {_phases_note(s['phase_mean_ms'])}",
             )
         )
     return result

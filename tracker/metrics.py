@@ -64,6 +64,15 @@ class Metrics:
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         )
+        self.redelivery_phase = Histogram(
+            "kmq_redelivery_phase_seconds",
+            "Time of each phase of a redelivery round: claim (store), read (originals from "
+            "Kafka), produce (build and queue the copies), ack (the broker's acknowledgement), "
+            "record (store). Rounds overlap: the next is claimed while one is acknowledged.",
+            ["phase"],
+            registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
         self.redelivery_lateness = Histogram(
             "kmq_redelivery_lateness_seconds",
             "How long after its due time an entry was republished.",

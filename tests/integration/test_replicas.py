@@ -20,15 +20,18 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaProducer
 from support.broker import TopicFactory, create_topics, delete_topics, unique_topic
 
+from tracker.client.markers import KafkaMarkerSink
 from tracker.engine.process import Tracker
 from tracker.engine.redeliver import TrackerEvent
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
+from tracker.protocol import Marker
 
 from .engine_support import TopicWatcher, eventually, tracker_settings
-from .workload import Ledger, Worker, copy_identity, produce_over_time
+from .workload import Ledger, Worker, copy_identity, high_watermarks, produce_over_time
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -316,3 +319,105 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+BURST = 4_000  #: messages whose leases run out together
+BURST_LEASE_MS = 6_000
+
+
+async def _fill_queue(bootstrap: str, topic: str, per_partition: int) -> list[MessageId]:
+    """``per_partition`` records in each queue partition; their positions."""
+    async with AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5) as producer:
+        futures = [
+            await producer.send(topic, value=b"burst-%d" % i, partition=p)
+            for i in range(per_partition)
+            for p in range(QUEUE_PARTITIONS)
+        ]
+        done = [await future for future in futures]
+    return [MessageId(topic, d.partition, d.offset) for d in done]
+
+
+async def test_two_replicas_share_a_burst_without_double_redelivery(
+    kafka_bootstrap: str, topic_factory: TopicFactory, postgres_url: str
+) -> None:
+    """Mass expiry while a second replica joins: every message republished exactly once.
+
+    Redelivery rounds overlap (the next is claimed while one is produced and recorded), so a
+    rebalance in the middle of a burst finds rounds claimed but not produced and rounds
+    produced but not recorded. Whatever the moment, a message must be republished once, by
+    one replica: a claimed round of a partition that moved is given back, not produced.
+    """
+    topic = covering_topic_name("burst-queue")
+    await create_topics(kafka_bootstrap, {topic: QUEUE_PARTITIONS})
+    markers = await topic_factory(partitions=MARKERS_PARTITIONS, prefix="burst-markers")
+    retry = await topic_factory(partitions=QUEUE_PARTITIONS, prefix="burst-retry")
+    group = unique_topic("burst-workers")
+    settings_kw: dict[str, Any] = {
+        "bootstrap": kafka_bootstrap,
+        "database_url": postgres_url,
+        "markers_topic": markers,
+        "markers_partitions": MARKERS_PARTITIONS,
+        "tracker_group": f"tracker-{markers}",
+        "redelivery_batch": 10,  # many rounds (the burst outlasts B's join), several in flight
+        "default_policy": {"retry_topic": retry, "max_attempts": 5},
+    }
+    a = Replica("replica-a", settings_kw)
+    b = Replica("replica-b", settings_kw)
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(delete_topics, kafka_bootstrap, [topic])
+        positions = await _fill_queue(kafka_bootstrap, topic, BURST // QUEUE_PARTITIONS)
+        watcher = await stack.enter_async_context(TopicWatcher(kafka_bootstrap, retry))
+        await a.tracker.start()
+        stack.push_async_callback(a.tracker.close)
+        await eventually(lambda: len(a.owned()) == MARKERS_PARTITIONS, what="A owns everything")
+        async with AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all") as producer:
+            await KafkaMarkerSink(producer, markers).send_all(
+                [Marker.start(group, p, timeout_ms=BURST_LEASE_MS) for p in positions]
+            )
+        # B joins once A is republishing: the rebalance lands in the middle of the burst.
+        await eventually(lambda: len(a.redelivered) >= 100, within=60, what="A's first copies")
+        at_join = len(a.redelivered)
+        await b.tracker.start()
+        stack.push_async_callback(b.tracker.close)
+
+        def copied() -> Counter[MessageId]:
+            return Counter(
+                identity[0]
+                for r in watcher.records
+                if (identity := copy_identity(r)) is not None and identity[1] == 2
+            )
+
+        await eventually(lambda: len(copied()) == len(positions), within=120, what="every copy")
+
+        async def nothing_tracked() -> bool:
+            """Every round recorded: no entry left that anyone could republish again."""
+            entries = await a.tracker.store.list_entries(limit=100_000)
+            return not [e for e in entries if e.group_id == group]
+
+        await eventually(nothing_tracked, within=60, what="every round recorded")
+        ends = await high_watermarks(kafka_bootstrap, retry)
+        await watcher.wait_for(
+            lambda records: all(
+                any(r.partition == p and r.offset == end - 1 for r in records)
+                for p, end in ends.items()
+                if end > 0
+            ),
+            within=30,
+            what="the watcher to read every copy",
+        )
+
+    counts = copied()
+    twice = sorted(origin for origin, n in counts.items() if n > 1)
+    both = set(a.redelivered) & set(b.redelivered)
+    print(
+        f"\n[replicas-burst] {len(positions)} expired together; copies by A {len(a.redelivered)} "
+        f"({at_join} before B joined), by B {len(b.redelivered)}"
+    )
+    assert at_join < len(positions)
+    assert b.redelivered, "B joined after the burst: the rebalance did not land in it"
+    assert set(counts) == set(positions)
+    assert twice == [], f"republished twice: {twice[:10]}"
+    assert both == set(), f"republished by both replicas: {sorted(both)[:10]}"
+    assert len(a.redelivered) + len(b.redelivered) == len(positions)
+    assert a.other_events == [], "dead-lettered or lost"
+    assert b.other_events == [], "dead-lettered or lost"

@@ -78,8 +78,16 @@ class CopyBatches:
 
     async def send(self) -> None:
         """Queue the open batches and wait for every batch's acknowledgement (or failure)."""
+        await self.queue()
+        await self.wait()
+
+    async def queue(self) -> None:
+        """Hand the open batches to the producer (they go out without waiting for ``wait``)."""
         for batch in list(self._open.values()):
             await self._queue(batch)
+
+    async def wait(self) -> None:
+        """Wait for every queued batch's acknowledgement or failure."""
         queued = [(b, b.future) for b in self._batches if b.future is not None]
         outcomes = await asyncio.gather(*(f for _, f in queued), return_exceptions=True)
         for (batch, _), outcome in zip(queued, outcomes, strict=True):

@@ -39,6 +39,9 @@ from tracker.store.manager import PartitionProgress, PendingMarker
 
 log = logging.getLogger(__name__)
 
+#: Longest time between two flushes of what left the coalescing window (``poll_once``).
+FLUSH_INTERVAL = 0.2
+
 #: High watermarks remembered per partition until we read past them (older ones are dropped:
 #: that only delays ``caught_up_ms``, never advances it too far).
 MAX_ENDS = 256
@@ -106,6 +109,7 @@ class MarkerIngest:
         on_due: Callable[[int], None] | None = None,
         on_ownership: Callable[[], None] | None = None,
         on_caught_up: Callable[[int], None] | None = None,
+        poll_wait: float = 0.2,
     ) -> None:
         self._consumer = consumer
         self._store = store
@@ -123,6 +127,14 @@ class MarkerIngest:
         self._pending_spans: dict[LaneKey, Counter[tuple[int, int]]] = {}
         self._max_records = max_records
         self._max_pending = max_pending
+        #: Longest wait of one poll for markers. The safe horizon moves only when a poll
+        #: returns (``_note_caught_up``), and an empty fetch response is news too: the end of
+        #: the log has not moved. Waiting longer than the consumer's ``fetch_max_wait_ms``
+        #: held that news back: with no marker for a while, the horizon advanced once per
+        #: poll wait (200 ms), and due entries waited for it.
+        self._poll_wait = poll_wait
+        self._next_flush = 0.0  #: monotonic time before which no new flush starts
+        self._flush_interval = min(FLUSH_INTERVAL, self._window / 2)
         self._check = check_marker
         self._on_due = on_due or (lambda _due: None)
         self._on_ownership = on_ownership or (lambda: None)
@@ -250,7 +262,7 @@ class MarkerIngest:
         backoff = 0.1
         while not stopping.is_set():
             try:
-                await self.poll_once(wait=0.2)
+                await self.poll_once(wait=self._poll_wait)
                 backoff = 0.1
             except StoreUnavailable as exc:
                 self._store_failed(exc)
@@ -305,7 +317,13 @@ class MarkerIngest:
             if self._window <= 0:
                 await self._flushed()
                 await self._flush(force=True)
-            elif self._flushing is None:
+            elif self._flushing is None and time.monotonic() >= self._next_flush:
+                # Flushes start at most every FLUSH_INTERVAL: each takes what left the window
+                # since the last one. Polls come every few ms under load (and every fetch
+                # wait when idle); a flush per poll cut the window into slivers, and a START
+                # and its ACK read by two polls in a row were applied apart instead of
+                # cancelling out in memory.
+                self._next_flush = time.monotonic() + self._flush_interval
                 self._flushing = asyncio.get_running_loop().create_task(
                     self._flush(force=False), name="kmq-ingest-flush"
                 )

@@ -17,6 +17,7 @@ the copies carry origin and attempt so consumers can drop the duplicates.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -46,12 +47,49 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_MS = 5_000  #: when a round cannot act on an entry (broker trouble), try again then
 WAIT_FOR_PENDING_MS = 100  #: look again at an entry with unapplied markers this much later
 NOT_READY_RECHECK = 0.05  #: seconds between looks at due entries that are not actionable yet
+ROUNDS_IN_FLIGHT = 3  #: rounds claimed and not yet recorded, at most (``Redeliverer.run``)
 
 
 class OriginalsSource(Protocol):
     async def fetch(
         self, positions: Sequence[MessageId]
     ) -> dict[MessageId, OriginalRecord | Missing]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _ClaimedRound:
+    """Due entries claimed with one token, not yet produced."""
+
+    token: str
+    started: float  #: ``perf_counter`` when the claim began
+    epochs: dict[int, int]  #: the owned partitions' epochs the claim was fenced with
+    entries: list[Entry]  #: to act on now
+    later: list[tuple[EntryKey, int]]  #: markers still in the coalescing window: due again then
+    partitions: set[int]  #: markers partitions of every claimed entry
+    full: bool  #: the claim took a whole batch: more may be due right now
+
+
+@dataclass(frozen=True, slots=True)
+class _QueuedRound:
+    """A round whose copies are queued to the producer, not yet acknowledged or recorded."""
+
+    claimed: _ClaimedRound
+    now_ms: int
+    payloads: dict[EntryKey, OriginalRecord | Missing | None]
+    batches: CopyBatches
+    sends: list[tuple[Entry, Plan, str, str, int]]
+    lost: list[tuple[EntryKey, str]]
+    lost_entries: list[Entry]
+    retry: list[tuple[EntryKey, int]]
+    acted: int  #: entries acted on (copied, dead-lettered, lost or failed and retried)
+
+
+def _reap(tasks: set[asyncio.Task[int]]) -> None:
+    """Drop finished tasks from ``tasks``; raise the first failure among them."""
+    finished = [task for task in tasks if task.done()]
+    tasks.difference_update(finished)
+    for task in finished:
+        task.result()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +120,10 @@ class Redeliverer:
         max_idle: float,
         on_event: Callable[[TrackerEvent], Awaitable[None] | None] | None = None,
         ensure_topic: Callable[[str, str], Awaitable[None]] | None = None,
+        depth: int = ROUNDS_IN_FLIGHT,
     ) -> None:
+        if depth < 2:
+            raise ValueError("depth: at least 2 rounds (one recording, one being built)")
         self._store = store
         self._producer = producer
         self._originals = originals
@@ -98,25 +139,45 @@ class Redeliverer:
         self._max_idle = max_idle
         self._on_event = on_event
         self._ensure_topic = ensure_topic
+        self._depth = depth
+        self._phase = {
+            name: metrics.redelivery_phase.labels(name)
+            for name in ("claim", "read", "produce", "ack", "record")
+        }
         self._wake = asyncio.Event()
-        self._target_ms: int | None = None
+        #: while the loop sleeps: per markers partition, its earliest due time, and when the
+        #: loop's timer runs out (ms)
+        self._targets: dict[int, int] | None = None
+        self._wake_at_ms: int | None = None
         self.last_error: str | None = None
 
     # -- waking --------------------------------------------------------------------------
 
     def notify_due(self, due_ms: int) -> None:
         """Ingest wrote an entry due at ``due_ms``: wake up if that is earlier than planned."""
-        if self._target_ms is None or due_ms < self._target_ms:
+        wake_at = self._wake_at_ms
+        if wake_at is None or due_ms < wake_at:
             self._wake.set()
 
     def notify_safe(self, safe_ms: int) -> None:
         """Ingest read further: entries due up to ``safe_ms`` may be actionable now.
 
-        Wakes the loop if it is waiting for an entry due by then, rather than letting it find
-        out at its next recheck (``NOT_READY_RECHECK``).
+        Wakes the loop if a partition it waits for has become actionable, rather than letting
+        it find out at its next recheck (``NOT_READY_RECHECK``). Checked per partition: a
+        wake-up for another partition's progress made the loop claim, find nothing it may
+        act on, and hold the store (and the next real claim) up for nothing.
         """
-        if self._target_ms is not None and self._target_ms <= safe_ms:
+        targets = self._targets
+        if not targets or min(targets.values()) > safe_ms:
+            return
+        if self._actionable(targets):
             self._wake.set()
+
+    def _actionable(self, targets: dict[int, int]) -> bool:
+        """Whether any partition's earliest due entry may be acted on now."""
+        now_ms = to_millis(self._clock.now())
+        safe = self._safe_until()
+        return any(due <= now_ms and due <= safe.get(p, -1) for p, due in targets.items())
 
     def notify_ownership(self) -> None:
         self._wake.set()
@@ -124,41 +185,166 @@ class Redeliverer:
     # -- the loop ------------------------------------------------------------------------
 
     async def run(self, stopping: asyncio.Event) -> None:
-        backoff = 0.5
-        while not stopping.is_set():
-            try:
-                if await self.run_round() > 0:
-                    backoff = 0.5
-                    continue  # there may be more due right now
-                await self._sleep_until_due(stopping)
-                backoff = 0.5
-            except StoreUnavailable as exc:
-                self.last_error = f"store: {exc}"
-                log.warning("redelivery paused, store unavailable: %s", exc)
-                await _wait(stopping, backoff)
-                backoff = min(backoff * 2, 10.0)
+        """Run rounds until ``stopping``, overlapped; then finish what is under way.
 
-    async def _sleep_until_due(self, stopping: asyncio.Event) -> None:
+        Two tasks: the *claimer* claims a batch as soon as entries are actionable, and the
+        *producer* reads the claimed rounds' originals and queues their copies, in claim
+        order; each round is then recorded in the background once the broker acknowledged
+        its copies. So an entry that becomes actionable while a round is being produced or
+        recorded is claimed at once, not after that round (one round after another made an
+        entry wait for the round before it: most of the lateness after a deadline), and in a
+        burst the next batch is claimed and read while the copies of the one before are
+        acknowledged and recorded. At most ``depth`` rounds are claimed and not yet
+        recorded.
+        """
+        slots = asyncio.Semaphore(self._depth)
+        claimed_rounds: asyncio.Queue[_ClaimedRound | None] = asyncio.Queue()
+        recording: set[asyncio.Task[int]] = set()
+        claimer = asyncio.create_task(
+            self._claim_loop(stopping, slots, claimed_rounds), name="kmq-redelivery-claim"
+        )
+        try:
+            while True:
+                claimed = await claimed_rounds.get()
+                if claimed is None:
+                    break
+                _reap(recording)  # raises what a finished record raised (not the store)
+                try:
+                    queued = await self._produce(claimed)
+                except StoreUnavailable as exc:  # reading kept payloads: give the round back
+                    log.warning("redelivery round not produced, store unavailable: %s", exc)
+                    await self._release(claimed, after_ms=RETRY_AFTER_MS)
+                    slots.release()
+                    continue
+                task = asyncio.create_task(
+                    self._record_round(queued, slots), name="kmq-redelivery-record"
+                )
+                recording.add(task)
+            await claimer  # raises what the claimer raised
+            # Stopping: every claimed round was produced; let their records finish.
+            if recording:
+                await asyncio.wait(recording)
+            _reap(recording)
+        except BaseException:
+            # Cancelled (or failed): stop at once. Rounds not recorded come back after their
+            # claim lease, as after a crash.
+            claimer.cancel()
+            for task in recording:
+                task.cancel()
+            raise
+
+    async def _claim_loop(
+        self,
+        stopping: asyncio.Event,
+        slots: asyncio.Semaphore,
+        claimed_rounds: asyncio.Queue[_ClaimedRound | None],
+    ) -> None:
+        """Claim rounds for the producer while there are free slots; sleep when none is due."""
+        backoff = 0.5
+        try:
+            while not stopping.is_set():
+                try:
+                    await self._claim_next(stopping, slots, claimed_rounds)
+                    backoff = 0.5
+                except StoreUnavailable as exc:  # claiming, or looking for the next due entry
+                    self.last_error = f"store: {exc}"
+                    log.warning("redelivery paused, store unavailable: %s", exc)
+                    await _wait(stopping, backoff)
+                    backoff = min(backoff * 2, 10.0)
+        finally:
+            claimed_rounds.put_nowait(None)
+
+    async def _claim_next(
+        self,
+        stopping: asyncio.Event,
+        slots: asyncio.Semaphore,
+        claimed_rounds: asyncio.Queue[_ClaimedRound | None],
+    ) -> None:
+        """Claim one round (once a slot is free) and hand it on; then sleep if nothing more
+        is actionable now."""
+        await slots.acquire()
+        try:
+            claimed = None if stopping.is_set() else await self._claim()
+        except BaseException:
+            slots.release()
+            raise
+        if claimed is None:
+            slots.release()
+        else:
+            claimed_rounds.put_nowait(claimed)
+        if stopping.is_set():
+            return
+        if claimed is None or not claimed.full:
+            # Everything actionable was taken: wait for the next due entry rather than claim
+            # again at once (an empty claim holds SQLite's writer). After an empty claim, not
+            # less than NOT_READY_RECHECK: ``safe_until`` may still list a partition the store
+            # has fenced us out of (ingest learns that at its next flush).
+            await self._sleep_until_due(stopping, claimed_nothing=claimed is None)
+
+    async def _record_round(self, queued: _QueuedRound, slots: asyncio.Semaphore) -> int:
+        """Record a produced round in the background; a store that stays away is logged (the
+        round's entries come back when their claim lease runs out)."""
+        try:
+            return await self._record(queued)
+        except StoreUnavailable as exc:
+            self.last_error = f"store: {exc}"
+            log.warning(
+                "a redelivery round could not be recorded (its %d entries are republished "
+                "when their claim lease runs out): %s",
+                queued.acted,
+                exc,
+            )
+            return 0
+        finally:
+            slots.release()
+
+    async def _sleep_until_due(
+        self, stopping: asyncio.Event, *, claimed_nothing: bool = False
+    ) -> None:
+        """Return once an entry may be acted on (or a while has passed, or we stop).
+
+        An entry may be acted on once it is due *and* ingest has read its markers partition
+        up to then (``safe_until``, which trails the clock by ``ack_grace`` at least): waking
+        at the due time alone, the loop claimed before it was allowed to act, found nothing,
+        and slept again. So each partition's timer aims at the moment its horizon should
+        reach its earliest due entry, and ingest's progress (``notify_safe``) wakes the loop
+        as soon as a partition it waits for is actionable.
+        """
         owned = self._owned_epochs()
         self._wake.clear()
-        next_due = await self._store.next_due_ms(owned) if owned else None
+        targets = await self._store.next_due_by_partition(owned) if owned else {}
+        if targets and not claimed_nothing and self._actionable(targets):
+            return  # it fell due while the last round ran: claim it now
         now_ms = to_millis(self._clock.now())
-        self._target_ms = next_due
-        if next_due is None:
-            delay = self._max_idle
-        else:
-            # Something due now but not yet actionable (ingest still catching up, or markers
-            # for it in the coalescing window): look again shortly.
-            delay = max(NOT_READY_RECHECK, (next_due - now_ms) / 1000)
-        delay = min(delay, self._max_idle)
-        await wait_any(self._wake, stopping, timeout=delay)
-        self._target_ms = None
+        safe = self._safe_until()
+        waits = [max(due - now_ms, due - safe[p]) / 1000 for p, due in targets.items() if p in safe]
+        # A partition still catching up (not in ``safe``) is announced by notify_safe;
+        # rechecked shortly in any case.
+        delay = min(waits, default=self._max_idle if not targets else NOT_READY_RECHECK)
+        delay = min(max(NOT_READY_RECHECK, delay), self._max_idle)
+        self._targets = targets
+        self._wake_at_ms = now_ms + int(delay * 1000)
+        try:
+            await wait_any(self._wake, stopping, timeout=delay)
+        finally:
+            self._targets = None
+            self._wake_at_ms = None
 
     async def run_round(self) -> int:
-        """Claim and handle one batch of due entries; returns how many were acted on."""
+        """Claim, produce and record one batch of due entries; returns how many were acted on.
+
+        One round on its own, start to end (``run`` overlaps them).
+        """
+        claimed = await self._claim()
+        if claimed is None:
+            return 0
+        return await self._record(await self._produce(claimed))
+
+    async def _claim(self) -> _ClaimedRound | None:
+        """Claim a batch of due entries (fenced by the partitions' epochs); None if none."""
         epochs = self._owned_epochs()
         if not epochs:
-            return 0
+            return None
         started = time.perf_counter()
         now_ms = to_millis(self._clock.now())
         due_by = {p: min(now_ms, safe) for p, safe in self._safe_until().items()}
@@ -172,25 +358,62 @@ class Redeliverer:
             lease_ms=self._lease_ms,
             token=token,
         )
+        self._phase["claim"].observe(time.perf_counter() - started)
         if fenced:
             log.warning("redelivery fenced out of markers partitions %s", sorted(fenced))
         if not claimed:
-            return 0
+            return None
         # An entry with markers still in the coalescing window (an ACK, say) is decided by
         # them: leave it until they are applied.
         waiting = self._pending_keys(e.key for e in claimed)
-        entries = [e for e in claimed if e.key not in waiting]
+        entries = [e for e in claimed if e.key not in waiting] if waiting else claimed
         later = [
             (e.key, max(e.due_at_ms or now_ms, now_ms + WAIT_FOR_PENDING_MS))
             for e in claimed
             if e.key in waiting
         ]
+        lateness = self._metrics.redelivery_lateness
         for entry in entries:
             if entry.due_at_ms is not None:
-                self._metrics.redelivery_lateness.observe(max(0, now_ms - entry.due_at_ms) / 1000)
-        await self._handle(entries, token, later, {e.markers_partition for e in claimed})
-        self._metrics.redelivery_seconds.observe(time.perf_counter() - started)
-        return len(entries)
+                lateness.observe(max(0, now_ms - entry.due_at_ms) / 1000)
+        return _ClaimedRound(
+            token=token,
+            started=started,
+            epochs={p: e for p, e in epochs.items() if p not in fenced},
+            entries=entries,
+            later=later,
+            partitions={e.markers_partition for e in claimed},
+            full=len(claimed) >= self._batch,
+        )
+
+    async def _produce(self, claimed: _ClaimedRound) -> _QueuedRound:
+        """Read the round's payloads, build its copies and queue them to the producer.
+
+        Entries of a markers partition this replica lost since the claim are not produced
+        (fencing: the partition's new owner republishes them); they are given back.
+        """
+        now_ms = to_millis(self._clock.now())
+        retry: list[tuple[EntryKey, int]] = list(claimed.later)
+        entries = claimed.entries
+        owned = self._owned_epochs()
+        moved = {p for p, epoch in claimed.epochs.items() if owned.get(p) != epoch}
+        if moved:
+            retry += [(e.key, now_ms) for e in entries if e.markers_partition in moved]
+            entries = [e for e in entries if e.markers_partition not in moved]
+            log.info("markers partitions %s changed owner during a round", sorted(moved))
+        started = time.perf_counter()
+        payloads = await self._payloads(entries) if entries else {}
+        built = time.perf_counter()
+        self._phase["read"].observe(built - started)
+        batches = CopyBatches(self._producer)
+        sends, lost, lost_entries = await self._queue_copies(
+            entries, payloads, batches, retry, now_ms
+        )
+        await batches.queue()
+        self._phase["produce"].observe(time.perf_counter() - built)
+        return _QueuedRound(
+            claimed, now_ms, payloads, batches, sends, lost, lost_entries, retry, len(entries)
+        )
 
     async def _payloads(
         self, entries: list[Entry]
@@ -219,31 +442,22 @@ class Redeliverer:
                 out[entry.key] = found.get(position)
         return out
 
-    async def _handle(
-        self,
-        entries: list[Entry],
-        token: str,
-        later: list[tuple[EntryKey, int]],
-        partitions: set[int],
-    ) -> None:
-        now_ms = to_millis(self._clock.now())
-        payloads = await self._payloads(entries) if entries else {}
-        batches = CopyBatches(self._producer)
-        retry: list[tuple[EntryKey, int]] = list(later)
-        sends, lost, lost_entries = await self._queue_copies(
-            entries, payloads, batches, retry, now_ms
-        )
-
+    async def _record(self, queued: _QueuedRound) -> int:
+        """Wait for the round's copies to be acknowledged, then record the round."""
+        started = time.perf_counter()
+        await queued.batches.wait()
+        acked = time.perf_counter()
+        self._phase["ack"].observe(acked - started)
+        claimed, now_ms, retry = queued.claimed, queued.now_ms, queued.retry
         done: list[tuple[str, str, int, int]] = []
         dead: list[DeadLetterRecord] = []
         events: list[TrackerEvent] = []
         # Counted once the round is recorded: a scrape never sees a redelivery counted while
-        # its entry still reads as in flight.
-        counted: list[Counter] = []
-        await batches.send()
+        # its entry still reads as in flight. One increment per counter and topic.
+        counted: collections.Counter[tuple[Counter, str]] = collections.Counter()
         failed: dict[str, BaseException] = {}
-        for entry, plan, target, detail, ticket in sends:
-            result = batches.result(ticket)
+        for entry, plan, target, detail, ticket in queued.sends:
+            result = queued.batches.result(ticket)
             if isinstance(result, BaseException):
                 failed.setdefault(target, result)
                 retry.append((entry.key, now_ms + RETRY_AFTER_MS))
@@ -258,8 +472,9 @@ class Redeliverer:
                     if first_delivery
                     else self._metrics.redeliveries
                 )
-                counted.append(counter.labels(entry.origin_topic))
-                events.append(TrackerEvent("redelivered", entry, detail))
+                counted[counter, entry.origin_topic] += 1
+                if self._on_event is not None:
+                    events.append(TrackerEvent("redelivered", entry, detail))
             else:
                 dead.append(
                     DeadLetterRecord(
@@ -269,27 +484,85 @@ class Redeliverer:
                         dlq_offset=result.offset,
                         reason=plan.reason,
                         dead_lettered_ms=now_ms,
-                        message_key=payloads_key(payloads, entry),
+                        message_key=payloads_key(queued.payloads, entry),
                     )
                 )
-                counted.append(self._metrics.dead_lettered.labels(entry.origin_topic))
-                events.append(TrackerEvent("dead_lettered", entry, detail))
+                counted[self._metrics.dead_lettered, entry.origin_topic] += 1
+                if self._on_event is not None:
+                    events.append(TrackerEvent("dead_lettered", entry, detail))
         for target, error in failed.items():  # one line per topic, not one per record
             log.warning("producing to %s failed (retried later): %r", target, error)
-        events += self._report_lost(lost_entries, lost, counted)
-        await self._store.finish_redelivery(
-            token,
-            markers_topic=self._markers_topic,
-            partitions=partitions,
-            done=done,
-            dead=dead,
-            lost=lost,
-            retry=retry,
-            now_ms=now_ms,
+        events += self._report_lost(queued.lost_entries, queued.lost, counted)
+        await self._finish(
+            claimed, done=done, dead=dead, lost=queued.lost, retry=retry, now_ms=now_ms
         )
-        for counter in counted:
-            counter.inc()
+        if retry:  # entries put back: due again soon, maybe before the claimer's next look
+            self.notify_due(min(due for _, due in retry))
+        self._phase["record"].observe(time.perf_counter() - acked)
+        for (counter, topic), count in counted.items():
+            counter.labels(topic).inc(count)
+        self._metrics.redelivery_seconds.observe(time.perf_counter() - claimed.started)
         await self._emit(events)
+        return queued.acted
+
+    async def _finish(
+        self,
+        claimed: _ClaimedRound,
+        *,
+        done: list[EntryKey],
+        dead: list[DeadLetterRecord],
+        lost: list[tuple[EntryKey, str]],
+        retry: list[tuple[EntryKey, int]],
+        now_ms: int,
+    ) -> None:
+        """Record a round; through a short store outage, keep trying while the claim holds.
+
+        The copies are out: a round not recorded is republished once its claim lease runs
+        out (duplicates that consumers drop by origin and attempt). Retrying for up to half
+        the lease spares them that after a brief outage.
+        """
+        # Counted from the claim: past half the lease the entries may be claimed again.
+        give_up = claimed.started + self._lease_ms / 2000
+        pause = 0.1
+        while True:
+            try:
+                await self._store.finish_redelivery(
+                    claimed.token,
+                    markers_topic=self._markers_topic,
+                    partitions=claimed.partitions,
+                    done=done,
+                    dead=dead,
+                    lost=lost,
+                    retry=retry,
+                    now_ms=now_ms,
+                )
+            except StoreUnavailable as exc:
+                if time.perf_counter() + pause > give_up:
+                    raise
+                self.last_error = f"store: {exc}"
+                log.warning("recording a redelivery round failed, retrying: %s", exc)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 2.0)
+            else:
+                return
+
+    async def _release(self, claimed: _ClaimedRound, *, after_ms: int = 0) -> None:
+        """Give a claimed round back untouched: its entries are due again (``after_ms``)."""
+        now_ms = to_millis(self._clock.now())
+        retry = [*claimed.later, *((e.key, now_ms + after_ms) for e in claimed.entries)]
+        try:
+            await self._store.finish_redelivery(
+                claimed.token,
+                markers_topic=self._markers_topic,
+                partitions=claimed.partitions,
+                done=[],
+                dead=[],
+                lost=[],
+                retry=retry,
+                now_ms=now_ms,
+            )
+        except StoreUnavailable as exc:  # they come back when the claim lease runs out
+            log.warning("could not give back %d claimed entries: %s", len(retry), exc)
 
     async def _queue_copies(
         self,
@@ -337,12 +610,15 @@ class Redeliverer:
         return sends, lost, lost_entries
 
     def _report_lost(
-        self, entries: Sequence[Entry], lost: Sequence[tuple[EntryKey, str]], counted: list[Counter]
+        self,
+        entries: Sequence[Entry],
+        lost: Sequence[tuple[EntryKey, str]],
+        counted: collections.Counter[tuple[Counter, str]],
     ) -> list[TrackerEvent]:
         """Log each lost message (an ERROR: an operator must know) and count it once recorded."""
         events: list[TrackerEvent] = []
         for entry, (_, reason) in zip(entries, lost, strict=True):
-            counted.append(self._metrics.lost.labels(entry.origin_topic))
+            counted[self._metrics.lost, entry.origin_topic] += 1
             origin = f"{entry.origin_topic}/{entry.origin_partition}/{entry.origin_offset}"
             log.error(
                 "message %s of group %s lost: %s",

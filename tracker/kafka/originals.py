@@ -69,6 +69,25 @@ _POLL_SECONDS = 0.05
 #: is confirmed, and the reader is waiting for it.
 _FETCH_MAX_WAIT_MS = 50
 
+#: How long a fetch may reuse what an earlier one learned: the cluster's topics and
+#: partitions, and each partition's bounds (log start, end). A burst of redelivery rounds
+#: reads every ~50 ms; asking the broker both again each time was two of a round's four
+#: round trips. A topic or partition not in the cached metadata is asked about again before
+#: it is called missing; an offset at or past the cached end makes the bounds be read again;
+#: a log start that moved meanwhile is found by the read itself (Kafka answers out of range,
+#: and gaps are checked against a fresh log start).
+_KNOWN_MAX_AGE = 1.0
+
+#: Bytes one fetch brings per partition, unless ``client_config`` says otherwise. aiokafka's
+#: default (1 MiB) had every redelivery round pull up to 1 MiB from each partition it reads,
+#: thousands of records for the few dozen it wants: 8 MiB per round of a steady load, which
+#: the broker serves and the client copies before all but those few are dropped, and which
+#: held the tracker's own markers fetches back (a tenth of them took 200 ms on the test
+#: broker). Longer runs of wanted offsets are read in several fetches; a record larger than
+#: this still comes back whole (Kafka returns the first batch of a partition whatever its
+#: size).
+_PARTITION_FETCH_BYTES = 128 * 1024
+
 #: Pause before stopping the consumer (see OriginalsReader.stop).
 _SETTLE_SECONDS = 0.01
 
@@ -254,10 +273,14 @@ class OriginalsReader:
         self.max_gap = max_gap
         self.fetch_timeout = fetch_timeout
         config.setdefault("fetch_max_wait_ms", _FETCH_MAX_WAIT_MS)
+        config.setdefault("max_partition_fetch_bytes", _PARTITION_FETCH_BYTES)
         config.setdefault("request_timeout_ms", max(int(fetch_timeout * 1000), 1000))
         self._config = config
         self._consumer: Any = None
         self._lock = asyncio.Lock()
+        self._cluster: Any = None  #: the last all-topics metadata, and when (loop time)
+        self._cluster_at = 0.0
+        self._bounds_known: dict[Any, tuple[int, int, float]] = {}  #: tp: (begin, end, when)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -346,11 +369,7 @@ class OriginalsReader:
         results: dict[MessageId, OriginalRecord | Missing] = {}
 
         # 1. Which topics and partitions exist, without creating any (all-topics metadata).
-        # The consumer's client is aiokafka-internal but stable; the public consumer.topics()
-        # makes the same request and throws the partition counts away.
-        cluster = await self._within(
-            consumer._client.fetch_all_metadata(), "reading cluster metadata"
-        )
+        cluster = await self._metadata(consumer, by_partition)
         existing: dict[Any, set[int]] = {}
         for (topic, partition), offsets in by_partition.items():
             partitions = cluster.partitions_for_topic(topic)
@@ -375,8 +394,7 @@ class OriginalsReader:
 
         # 2. The partitions' bounds. Below the log start is certainly gone (retention); the end
         # is settled by fetch responses while reading (see _PartitionRead).
-        tps = list(existing)
-        begins, ends = await self._bounds(consumer, tps)
+        begins, ends = await self._known_bounds(consumer, existing)
         reads: list[_PartitionRead] = []
         for tp, offsets in existing.items():
             read = _PartitionRead(tp, [], begins[tp], ends[tp])
@@ -395,6 +413,11 @@ class OriginalsReader:
 
         # 3. Read forward from the first wanted offset of every partition, concurrently.
         await self._read(consumer, reads, results)
+        for read in reads:  # what the fetch responses told of the end
+            known = self._bounds_known.get(read.tp)
+            if known is not None and read.high_watermark is not None:
+                end = max(known[1], read.high_watermark)
+                self._bounds_known[read.tp] = (known[0], end, known[2])
 
         # 4. In range but never returned: compacted, a transaction marker, or (if the log start
         # moved while reading) deleted by retention. Look at the log start again to tell.
@@ -442,10 +465,7 @@ class OriginalsReader:
             progress = False
             try:
                 async with asyncio.timeout(remaining + 1.0):
-                    batch = await consumer.getmany(
-                        timeout_ms=int(min(remaining, _POLL_SECONDS) * 1000),
-                        max_records=_MAX_RECORDS,
-                    )
+                    batch = await self._take(consumer, active, positions, remaining)
             except OffsetOutOfRangeError as exc:
                 progress = await self._out_of_range(consumer, exc, active, positions, results)
                 batch = {}
@@ -486,6 +506,38 @@ class OriginalsReader:
                     positions[tp] = destination
             if progress:
                 deadline = loop.time() + self.fetch_timeout
+
+    async def _take(
+        self,
+        consumer: Any,
+        active: dict[Any, _PartitionRead],
+        positions: dict[Any, int],
+        remaining: float,
+    ) -> dict[Any, list[Any]]:
+        """Records fetched for the active partitions: from each, at most up to its last
+        wanted offset; if none has any yet, wait (briefly) for the first to arrive.
+
+        A fetch brings up to ``max_partition_fetch_bytes`` per partition, thousands of
+        records, and aiokafka turns every record it hands out into a ``ConsumerRecord``.
+        Taken with one ``max_records`` across partitions, a round wanting 2 records of each
+        of 8 partitions decoded 4,000 (four calls of 1,000, a partition at a time). Taken per
+        partition, up to what that partition still needs, the rest of its buffer is dropped
+        undecoded when it is paused.
+        """
+        batch: dict[Any, list[Any]] = {}
+        for tp, partition_read in active.items():
+            need = partition_read.plan[-1] - positions[tp] + 1
+            if need > 0:
+                batch.update(
+                    await consumer.getmany(tp, timeout_ms=0, max_records=min(need, _MAX_RECORDS))
+                )
+        if any(batch.values()):
+            return batch
+        return dict(
+            await consumer.getmany(
+                *active, timeout_ms=int(min(remaining, _POLL_SECONDS) * 1000), max_records=1
+            )
+        )
 
     async def _out_of_range(
         self,
@@ -538,6 +590,56 @@ class OriginalsReader:
                 consumer.seek(tp, destination)
                 positions[tp] = destination
         return settled
+
+    async def _metadata(self, consumer: Any, wanted: Mapping[tuple[str, int], Any]) -> Any:
+        """The cluster's metadata: the cached one if recent and it knows every wanted
+        partition, else fresh (nothing is called missing on the strength of a cache)."""
+        now = asyncio.get_running_loop().time()
+        cluster = self._cluster
+        if (
+            cluster is not None
+            and now - self._cluster_at < _KNOWN_MAX_AGE
+            and all(
+                partition in (cluster.partitions_for_topic(topic) or ())
+                for topic, partition in wanted
+            )
+        ):
+            return cluster
+        # The consumer's client is aiokafka-internal but stable; the public consumer.topics()
+        # makes the same request and throws the partition counts away.
+        cluster = await self._within(
+            consumer._client.fetch_all_metadata(), "reading cluster metadata"
+        )
+        self._cluster, self._cluster_at = cluster, now
+        return cluster
+
+    async def _known_bounds(
+        self, consumer: Any, wanted: dict[Any, set[int]]
+    ) -> tuple[dict[Any, int], dict[Any, int]]:
+        """Each wanted partition's (log start, end): recent ones reused while every wanted
+        offset lies below the known end, the others read from the broker."""
+        now = asyncio.get_running_loop().time()
+        begins: dict[Any, int] = {}
+        ends: dict[Any, int] = {}
+        ask: list[Any] = []
+        for tp, offsets in wanted.items():
+            known = self._bounds_known.get(tp)
+            if known is not None and now - known[2] < _KNOWN_MAX_AGE and max(offsets) < known[1]:
+                begins[tp], ends[tp] = known[0], known[1]
+            else:
+                ask.append(tp)
+        if ask:
+            fresh_begins, fresh_ends = await self._bounds(consumer, ask)
+            for tp in ask:
+                begins[tp], ends[tp] = fresh_begins[tp], fresh_ends[tp]
+                self._bounds_known[tp] = (begins[tp], ends[tp], now)
+        if len(self._bounds_known) > 4 * len(wanted) + 1024:  # forget what is no longer read
+            self._bounds_known = {
+                tp: known
+                for tp, known in self._bounds_known.items()
+                if now - known[2] < _KNOWN_MAX_AGE
+            }
+        return begins, ends
 
     async def _bounds(self, consumer: Any, tps: list[Any]) -> tuple[dict[Any, int], dict[Any, int]]:
         begins, ends = await self._within(
