@@ -526,15 +526,8 @@ class Redeliverer:
         pause = 0.1
         while True:
             try:
-                await self._store.finish_redelivery(
-                    claimed.token,
-                    markers_topic=self._markers_topic,
-                    partitions=claimed.partitions,
-                    done=done,
-                    dead=dead,
-                    lost=lost,
-                    retry=retry,
-                    now_ms=now_ms,
+                await self._record_outcome(
+                    claimed, done=done, dead=dead, lost=lost, retry=retry, now_ms=now_ms
                 )
             except StoreUnavailable as exc:
                 if time.perf_counter() + pause > give_up:
@@ -551,18 +544,33 @@ class Redeliverer:
         now_ms = to_millis(self._clock.now())
         retry = [*claimed.later, *((e.key, now_ms + after_ms) for e in claimed.entries)]
         try:
-            await self._store.finish_redelivery(
-                claimed.token,
-                markers_topic=self._markers_topic,
-                partitions=claimed.partitions,
-                done=[],
-                dead=[],
-                lost=[],
-                retry=retry,
-                now_ms=now_ms,
+            await self._record_outcome(
+                claimed, done=[], dead=[], lost=[], retry=retry, now_ms=now_ms
             )
         except StoreUnavailable as exc:  # they come back when the claim lease runs out
             log.warning("could not give back %d claimed entries: %s", len(retry), exc)
+
+    async def _record_outcome(
+        self,
+        claimed: _ClaimedRound,
+        *,
+        done: list[EntryKey],
+        dead: list[DeadLetterRecord],
+        lost: list[tuple[EntryKey, str]],
+        retry: list[tuple[EntryKey, int]],
+        now_ms: int,
+    ) -> None:
+        """One ``finish_redelivery`` for the entries of ``claimed`` (its token, partitions)."""
+        await self._store.finish_redelivery(
+            claimed.token,
+            markers_topic=self._markers_topic,
+            partitions=claimed.partitions,
+            done=done,
+            dead=dead,
+            lost=lost,
+            retry=retry,
+            now_ms=now_ms,
+        )
 
     async def _queue_copies(
         self,
