@@ -22,6 +22,7 @@ from tracker import __version__
 from tracker.metrics import Metrics
 from tracker.settings import TrackerSettings, load_settings
 
+from .console import install_console
 from .context import ApiContext
 from .errors import CatchAllMiddleware, install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestMetricsMiddleware
@@ -105,6 +106,8 @@ def _build(
     install_error_handlers(app)
     for module in (messages, topics, dlq, redrive, markers, ops):
         app.include_router(module.router)
+    if settings.console_enabled:
+        install_console(app)
     # Added innermost first: CORS, then the body limit, request metrics, the catch-all.
     if settings.api_cors_origins:
         app.add_middleware(

@@ -8,6 +8,7 @@ Per process: with several replicas, each answers for itself (Prometheus has the 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,3 +73,26 @@ class CounterRates:
             return None, 0.0
         current = self._totals().get(key, 0.0)
         return max(0.0, current - base[1].get(key, 0.0)), min(covered, window_seconds)
+
+    def per_minute(self, minutes: int = 60) -> list[float | None]:
+        """The increase (all keys together) in each of the last ``minutes`` minutes, oldest
+        first; None for a minute the history does not cover (before the process started)."""
+        self.sample()
+        now = self._clock()
+        history = [(at, sum(totals.values())) for at, totals in self._samples]
+        history.append((now, sum(self._totals().values())))
+
+        def value_at(moment: float) -> float | None:
+            found = None
+            for at, total in history:
+                if at > moment:
+                    break
+                found = total
+            return found
+
+        edges = [value_at(now - (minutes - i) * 60.0) for i in range(minutes)]
+        edges.append(history[-1][1])
+        return [
+            None if before is None or after is None else max(0.0, after - before)
+            for before, after in itertools.pairwise(edges)
+        ]

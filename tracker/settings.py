@@ -353,6 +353,21 @@ class TrackerSettings(BaseSettings):
             "records answer at once (reloading the same view waits for it)."
         ),
     )
+    console_enabled: bool = Field(
+        True,
+        description=(
+            "Serve the web console under `/console/` from the API process (same port, same "
+            "tokens: operators log in with the admin or the read token)."
+        ),
+    )
+    console_session: Duration = Field(
+        timedelta(hours=8),
+        description=(
+            "How long a console login lasts. The session cookie holds no token: it is signed "
+            "with a key derived from the token it was opened with, so rotating that token "
+            "ends every session opened with it."
+        ),
+    )
     redrive_lease: Duration = Field(
         timedelta(seconds=60),
         description=(
@@ -454,6 +469,8 @@ class TrackerSettings(BaseSettings):
             raise ValueError("redrive_lease must be longer than 1 s")
         if self.api_kafka_read_timeout <= timedelta(0):
             raise ValueError("api_kafka_read_timeout must be positive")
+        if not timedelta(minutes=1) <= self.console_session <= timedelta(days=7):
+            raise ValueError("console_session must be between 1 minute and 7 days")
         return self
 
     @model_validator(mode="after")

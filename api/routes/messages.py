@@ -106,6 +106,10 @@ async def list_messages(
     min_attempt: Annotated[
         int | None, Query(ge=1, le=0xFFFF, description="Attempt at least.")
     ] = None,
+    seen_before: Annotated[
+        AwareDatetime | None,
+        Query(description="First delivered strictly before (at least this old)."),
+    ] = None,
     order: Annotated[
         Literal["key", "due"],
         Query(
@@ -130,12 +134,23 @@ async def list_messages(
         due_before_ms=to_millis(due_before) if due_before is not None else None,
         due_after_ms=to_millis(due_after) if due_after is not None else None,
         min_attempt=min_attempt,
+        seen_before_ms=to_millis(seen_before) if seen_before is not None else None,
     )
-    sort = EntryOrder(order)
-    query = fingerprint(
-        {"f": [topic, partition, sorted(s.value for s in state or ()), group], "o": order}
-        | {"d": [flt.due_before_ms, flt.due_after_ms, min_attempt]}
-    )
+    page = await find_messages(context, flt, EntryOrder(order), limit=limit, cursor=cursor)
+    return json_response(page)
+
+
+async def find_messages(
+    context: ApiContext, flt: EntryFilter, sort: EntryOrder, *, limit: int, cursor: str | None
+) -> MessagePage:
+    """One page of the listing (the API's and the console's): ``cursor`` is the previous
+    page's ``next_cursor``, valid only for the same filter and order."""
+    states = sorted(s.value for s in flt.states)
+    shape: dict[str, Any] = {"f": [flt.topic, flt.partition, states, flt.group], "o": sort.value}
+    shape["d"] = [flt.due_before_ms, flt.due_after_ms, flt.min_attempt]
+    if flt.seen_before_ms is not None:
+        shape["s"] = flt.seen_before_ms
+    query = fingerprint(shape)
     after = _check_position(decode_cursor(cursor, query), sort) if cursor else None
     views = await context.admin.list_entries(flt, order=sort, after=after, limit=limit + 1)
     more = len(views) > limit
@@ -153,7 +168,7 @@ async def list_messages(
         "next_cursor": next_cursor,
         "limit": limit,
     }
-    return json_response(MessagePage.model_validate(page))
+    return MessagePage.model_validate(page)
 
 
 async def _preview(

@@ -136,6 +136,8 @@ class EntryFilter:
     due_before_ms: int | None = None
     due_after_ms: int | None = None
     min_attempt: int | None = None
+    #: first delivered strictly before (how old a message is, whatever its attempts)
+    seen_before_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +172,8 @@ def _entry_where(query: Select[Any], flt: EntryFilter) -> Select[Any]:
         query = query.where(tracked.c.due_at_ms >= flt.due_after_ms)
     if flt.min_attempt is not None:
         query = query.where(tracked.c.attempt >= flt.min_attempt)
+    if flt.seen_before_ms is not None:
+        query = query.where(tracked.c.first_seen_ms < flt.seen_before_ms)
     return query
 
 
@@ -695,6 +699,8 @@ class AdminStore:
             base = base.where(r.due_at_ms < flt.due_before_ms)
         if flt.due_after_ms is not None:
             base = base.where(r.due_at_ms >= flt.due_after_ms)
+        if flt.seen_before_ms is not None:
+            base = base.where(r.first_seen_ms < flt.seen_before_ms)
         lane = (r.group_id, r.origin_topic, r.origin_partition)
         queries: list[Select[Any]] = []
         by: tuple[Any, ...]

@@ -1,0 +1,280 @@
+"""The web console over HTTP (no browser): login, sessions, CSRF, roles, escaping, headers.
+
+The app runs on a real store (SQLite and PostgreSQL) and the test broker; rows are written to
+the store directly. What only a browser can show (scripts not running, htmx refreshes, the
+chart) is in tests/browser.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import markupsafe
+import pytest
+
+from api.console.headers import CONTENT_SECURITY_POLICY
+from api.console.session import COOKIE
+from tracker.engine.entries import State
+
+from .api_support import (
+    ADMIN_TOKEN,
+    READ_TOKEN,
+    ApiEnv,
+    api_env,
+    entry,
+    insert_dead_letters,
+    insert_entries,
+)
+
+pytestmark = [pytest.mark.integration]
+
+TopicFactory = Callable[..., Awaitable[str]]
+XSS_REASON = '<script>document.title="pwned"</script>"><img src=x onerror=alert(1)>'
+
+
+@pytest.fixture
+async def env(
+    kafka_bootstrap: str, topic_factory: TopicFactory, database_url: str
+) -> AsyncIterator[ApiEnv]:
+    markers = await topic_factory(partitions=2, prefix="markers")
+    async with api_env(kafka_bootstrap, database_url, markers) as env:
+        yield env
+
+
+async def browser(env: ApiEnv, token: str | None) -> httpx.AsyncClient:
+    """A client without bearer token, logged in to the console with ``token`` (if any)."""
+    client = env.client_with({})
+    client.headers.pop("Authorization", None)
+    if token is not None:
+        response = await client.post("/console/login", data={"token": token, "next": "/console/"})
+        assert response.status_code == 303, response.text
+    return client
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, "no CSRF token in the page"
+    return found.group(1)
+
+
+def cell(page: str, topic: str, column: str) -> str:
+    row = re.search(rf'<tr data-topic="{re.escape(topic)}">(.*?)</tr>', page, re.S)
+    assert row, f"no row for {topic}"
+    value = re.search(rf'data-col="{column}">(.*?)</td>', row.group(1), re.S)
+    assert value, f"no {column} column"
+    return re.sub(r"<[^>]+>", "", value.group(1)).strip()
+
+
+async def test_pages_need_a_login_and_a_wrong_token_gets_none(env: ApiEnv) -> None:
+    client = await browser(env, None)
+    response = await client.get("/console/topics/orders?state=in_flight")
+    assert response.status_code == 303
+    assert response.headers["location"] == (
+        "/console/login?next=%2Fconsole%2Ftopics%2Forders%3Fstate%3Din_flight"
+    )
+    # A background refresh is told to load the login page rather than swap it in.
+    refresh = await client.get("/console/", headers={"HX-Request": "true"})
+    assert refresh.headers["HX-Redirect"].startswith("/console/login")
+    wrong = await client.post("/console/login", data={"token": "not-the-token"})
+    assert wrong.status_code == 401
+    assert "not valid" in wrong.text
+    assert COOKIE not in wrong.headers.get("set-cookie", "")
+    # The bearer token of the API is not a console session.
+    api_client = env.client
+    assert (await api_client.get("/console/")).status_code == 303
+
+
+async def test_login_sets_a_strict_cookie_that_holds_no_token(env: ApiEnv) -> None:
+    client = env.client_with({})
+    client.headers.pop("Authorization", None)
+    response = await client.post(
+        "/console/login", data={"token": ADMIN_TOKEN, "next": "/console/dlq"}
+    )
+    assert response.status_code == 303
+    assert response.headers["location"] == "/console/dlq"
+    cookie = response.headers["set-cookie"]
+    assert cookie.startswith(f"{COOKIE}=")
+    for attribute in ("HttpOnly", "SameSite=strict", "Path=/console"):
+        assert attribute.lower() in cookie.lower()
+    assert ADMIN_TOKEN not in cookie
+    # Another site as the target of `next` is refused.
+    elsewhere = await client.post(
+        "/console/login", data={"token": ADMIN_TOKEN, "next": "//evil.example/x"}
+    )
+    assert elsewhere.headers["location"] == "/console/"
+
+
+async def test_every_page_answers_with_a_strict_policy(env: ApiEnv) -> None:
+    await insert_entries(env.context, [entry(1)])
+    client = await browser(env, ADMIN_TOKEN)
+    for path in (
+        "/console/",
+        "/console/topics/orders",
+        "/console/messages/billing/orders/0/1",
+        "/console/dlq",
+        "/console/parked",
+    ):
+        response = await client.get(path)
+        assert response.status_code == 200, (path, response.text[:500])
+        assert response.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+        assert response.headers["x-frame-options"] == "DENY"
+        assert response.headers["cache-control"] == "no-store"
+        assert "<script>" not in response.text  # scripts come from files only
+    static = await client.get("/console/static/vendor/htmx.min.js")
+    assert static.status_code == 200
+    assert static.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+
+
+async def test_overview_counts_the_store(env: ApiEnv) -> None:
+    now = int(time.time() * 1000)
+    await insert_entries(
+        env.context,
+        [
+            entry(1, due_at_ms=now + 600_000),
+            entry(2, due_at_ms=now + 600_000),
+            entry(3, due_at_ms=now - 5_000),  # its lease ran out: due now
+            entry(4, state=State.DELAYED, due_at_ms=now + 60_000),
+            entry(5, topic="payments", due_at_ms=now + 600_000),
+        ],
+    )
+    await insert_dead_letters(
+        env.context,
+        [
+            {"dead_lettered_ms": now - 120_000},
+            {"dead_lettered_ms": now - 60_000, "redriven_ms": now},
+        ],
+    )
+    client = await browser(env, READ_TOKEN)
+    page = (await client.get("/console/")).text
+    assert cell(page, "orders", "in_flight") == "3"
+    assert cell(page, "orders", "delayed") == "1"
+    assert cell(page, "orders", "due") == "1"
+    assert cell(page, "orders", "dead_letters") == "1 / 2"
+    assert cell(page, "payments", "in_flight") == "1"
+    series = re.search(r'data-series="([^"]+)"', page)
+    assert series
+    assert '"dead_letters"' in html.unescape(series.group(1))
+
+
+async def test_values_from_kafka_and_operators_render_as_text(env: ApiEnv) -> None:
+    await insert_entries(env.context, [entry(1, reason=XSS_REASON)])
+    await insert_dead_letters(env.context, [{"origin_offset": 2, "reason": XSS_REASON}])
+    client = await browser(env, ADMIN_TOKEN)
+    for path in (
+        "/console/messages/billing/orders/0/1",
+        "/console/dlq",
+        "/console/messages/billing/orders/0/2",
+    ):
+        page = (await client.get(path)).text
+        assert "<script>document" not in page
+        assert "<img src=x" not in page
+        assert str(markupsafe.escape(XSS_REASON)) in page
+
+
+async def test_actions_need_the_admin_login_and_the_forms_token(env: ApiEnv) -> None:
+    now = int(time.time() * 1000)
+    await insert_entries(env.context, [entry(1, due_at_ms=now + 600_000)])
+    message = "billing/orders/0/1"
+    admin = await browser(env, ADMIN_TOKEN)
+    page = (await admin.get(f"/console/messages/{message}?confirm=redeliver")).text
+    assert 'data-testid="confirm"' in page
+    token = csrf_of(page)
+    # Without the form's token (a cross-site post cannot read it): refused, nothing changes.
+    forged = await admin.post("/console/actions/redeliver", data={"message_id": message})
+    assert forged.status_code == 403
+    cross = await admin.post(
+        "/console/actions/redeliver",
+        data={"message_id": message, "csrf": token},
+        headers={"Origin": "https://evil.example"},
+    )
+    assert cross.status_code == 403
+    view = await env.context.admin.get_entry(("billing", "orders", 0, 1))
+    assert view is not None
+    assert view.entry.due_at_ms == now + 600_000
+
+    reader = await browser(env, READ_TOKEN)
+    read_page = (await reader.get(f"/console/messages/{message}?confirm=redeliver")).text
+    assert 'data-testid="actions"' not in read_page
+    assert 'data-testid="confirm"' not in read_page
+    refused = await reader.post(
+        "/console/actions/redeliver", data={"message_id": message, "csrf": csrf_of(read_page)}
+    )
+    assert refused.status_code == 403
+    assert "may only read" in refused.text
+
+    done = await admin.post(
+        "/console/actions/redeliver",
+        data={"message_id": message, "csrf": token, "reason": "from the console"},
+    )
+    assert done.status_code == 303, done.text
+    assert done.headers["location"] == f"/console/messages/{message}?done=redeliver"
+    view = await env.context.admin.get_entry(("billing", "orders", 0, 1))
+    assert view is not None
+    assert view.entry.due_at_ms is not None
+    assert view.entry.due_at_ms <= int(time.time() * 1000)
+    [action] = await env.context.admin.actions_for(("billing", "orders", 0, 1))
+    assert (action.actor, action.reason) == ("admin (console)", "from the console")
+    # An action the state does not allow answers the API's 409 as a page.
+    await insert_entries(env.context, [entry(9, state=State.LOST)])
+    lost = await admin.post(
+        "/console/actions/extend",
+        data={"message_id": "billing/orders/0/9", "csrf": token, "extend_minutes": "5"},
+    )
+    assert lost.status_code == 409
+    assert 'data-testid="error"' in lost.text
+
+
+async def test_a_rotated_token_ends_its_sessions(
+    kafka_bootstrap: str, topic_factory: TopicFactory, sqlite_url: str
+) -> None:
+    markers = await topic_factory(partitions=1, prefix="markers")
+    async with api_env(kafka_bootstrap, sqlite_url, markers) as before:
+        client = await browser(before, ADMIN_TOKEN)
+        cookie = client.cookies[COOKIE]
+        assert (await client.get("/console/")).status_code == 200
+        tampered = cookie.replace(".admin.", ".read.")
+        client.cookies.set(COOKIE, tampered, domain="kmq.test", path="/console")
+        assert (await client.get("/console/")).status_code == 303
+    async with api_env(
+        kafka_bootstrap,
+        sqlite_url,
+        markers,
+        api_token="a-brand-new-admin-token",  # noqa: S106
+    ) as after:
+        other = after.client_with({})
+        other.headers.pop("Authorization", None)
+        other.cookies.set(COOKIE, cookie, domain="kmq.test", path="/console")
+        assert (await other.get("/console/")).status_code == 303
+
+
+async def test_without_tokens_the_console_reads_and_cannot_act(
+    kafka_bootstrap: str, topic_factory: TopicFactory, sqlite_url: str
+) -> None:
+    markers = await topic_factory(partitions=1, prefix="markers")
+    async with api_env(
+        kafka_bootstrap, sqlite_url, markers, api_token=None, api_read_token=None
+    ) as env:
+        await insert_entries(env.context, [entry(1)])
+        client = await browser(env, None)
+        page = await client.get("/console/messages/billing/orders/0/1?confirm=ack")
+        assert page.status_code == 200
+        assert "open read-only" in page.text
+        assert 'data-testid="actions"' not in page.text
+        refused = await client.post(
+            "/console/actions/ack", data={"message_id": "billing/orders/0/1", "csrf": ""}
+        )
+        assert refused.status_code == 403
+
+
+async def test_the_console_can_be_turned_off(
+    kafka_bootstrap: str, topic_factory: TopicFactory, sqlite_url: str
+) -> None:
+    markers = await topic_factory(partitions=1, prefix="markers")
+    async with api_env(kafka_bootstrap, sqlite_url, markers, console_enabled=False) as env:
+        client = await browser(env, None)
+        assert (await client.get("/console/")).status_code == 404
+        assert (await client.get("/console/static/console.css")).status_code == 404
