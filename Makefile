@@ -30,9 +30,17 @@ lint: install ## ruff (lint + format check) and mypy (strict on tracker/ and api
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+.PHONY: browser
+browser: ## Install Chromium + chromedriver if missing (the console's browser tests need them)
+	@scripts/ensure-browser.sh
+
 .PHONY: test
-test: install postgres lint ## The one test command: lint, type checks, unit and integration tests
+test: install postgres browser lint ## The one test command: lint, type checks, unit, integration and browser tests
 	KMQ_REQUIRE_SPEEDUPS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+.PHONY: console-screenshots
+console-screenshots: install browser ## Refresh docs/console/*.png from the console's browser test
+	KMQ_CONSOLE_SCREENSHOTS=docs/console $(VENV)/bin/pytest tests/browser -q -p no:cacheprovider
 
 .PHONY: soak
 soak: install postgres ## Long reliability runs (KMQ_SOAK=1); figures appended to build/reliability/

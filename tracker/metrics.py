@@ -98,6 +98,29 @@ class Metrics:
         self.owned_partitions = Gauge(
             "kmq_owned_markers_partitions", "Markers partitions this replica owns.", registry=r
         )
+        self.markers_lag = Gauge(
+            "kmq_markers_lag",
+            "Markers not yet read by this replica, per markers partition it owns (the "
+            "partition's end at the last fetch minus the read position).",
+            ["partition"],
+            registry=r,
+        )
+        self.fenced = Counter(
+            "kmq_fenced_total",
+            "Times this replica's writes for markers partitions were refused because another "
+            "replica had taken them over (fencing); it stops working on them.",
+            registry=r,
+        )
+        self.redelivery_errors = Counter(
+            "kmq_redelivery_errors_total",
+            "Redelivery steps that failed and are retried, by stage: claim (store), read "
+            "(originals from Kafka), produce (copies), record (store).",
+            ["stage"],
+            registry=r,
+        )
+        for stage in ("claim", "read", "produce", "record"):
+            # Exported at 0 from the start, so that an alert on increase() sees the first error.
+            self.redelivery_errors.labels(stage)
         # Store-wide gauges, computed from the database when /metrics is scraped.
         self.tracked_messages = Gauge(
             "kmq_tracked_messages",

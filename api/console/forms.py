@@ -144,7 +144,7 @@ async def start_redrive(
     reason_filter: Text = "",
     ids: Annotated[str, Form(max_length=200_000)] = "",
     target_topic: Annotated[str, Form(max_length=249)] = "",
-    rate: Annotated[str, Form(max_length=20)] = "100",
+    rate: Annotated[float, Form(gt=0, le=100_000)] = 100.0,
     dry_run: Annotated[str | None, Form(max_length=10)] = None,
     why: Text = "",
 ) -> Response:

@@ -278,3 +278,30 @@ async def test_the_console_can_be_turned_off(
         client = await browser(env, None)
         assert (await client.get("/console/")).status_code == 404
         assert (await client.get("/console/static/console.css")).status_code == 404
+
+
+async def test_a_dry_run_shows_what_would_move(env: ApiEnv) -> None:
+    await insert_dead_letters(
+        env.context,
+        [{"origin_offset": 1, "reason": "boom"}, {"origin_offset": 2, "reason": "boom"}],
+    )
+    admin = await browser(env, ADMIN_TOKEN)
+    page = (await admin.get("/console/dlq")).text
+    response = await admin.post(
+        "/console/redrive",
+        data={
+            "csrf": csrf_of(page),
+            "topic": "orders",
+            "reason_filter": "boom",
+            "rate": "50",
+            "dry_run": "on",
+        },
+    )
+    assert response.status_code == 303, response.text
+    job_page = await admin.get(response.headers["location"])
+    assert job_page.status_code == 200, job_page.text
+    assert re.search(r'data-testid="job-counts">\s*2', job_page.text)
+    assert job_page.text.count("/console/messages/billing/orders/0/") == 2
+    bad = await admin.post("/console/redrive", data={"csrf": csrf_of(page), "rate": "-1"})
+    assert bad.status_code == 422
+    assert 'data-testid="error"' in bad.text

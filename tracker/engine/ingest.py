@@ -455,6 +455,7 @@ class MarkerIngest:
             if not state.ends or state.ends[-1][1] != fetched_at:
                 state.ends.append((highwater, fetched_at))
             position = await self._consumer.position(tp)
+            self._metrics.markers_lag.labels(str(partition)).set(max(0, highwater - position))
             reached: float | None = None
             while state.ends and state.ends[0][0] <= position:
                 reached = state.ends.popleft()[1]
@@ -587,6 +588,8 @@ class MarkerIngest:
         state = self._owned.pop(partition, None)
         if state is None:
             return
+        with contextlib.suppress(KeyError):
+            self._metrics.markers_lag.remove(str(partition))
         for _, pending in state.pending:
             self._hold(pending.marker, -1)
 
@@ -615,6 +618,7 @@ class MarkerIngest:
 
     def _fenced(self, partitions: set[int]) -> None:
         log.warning("fenced out of markers partitions %s: another replica owns them", partitions)
+        self._metrics.fenced.inc()
         for p in partitions:
             self._forget(p)
         tps = [TopicPartition(self._topic, p) for p in partitions]

@@ -248,6 +248,7 @@ class Redeliverer:
                     backoff = 0.5
                 except StoreUnavailable as exc:  # claiming, or looking for the next due entry
                     self.last_error = f"store: {exc}"
+                    self._metrics.redelivery_errors.labels("claim").inc()
                     log.warning("redelivery paused, store unavailable: %s", exc)
                     await _wait(stopping, backoff)
                     backoff = min(backoff * 2, 10.0)
@@ -436,6 +437,7 @@ class Redeliverer:
                 found = await self._originals.fetch(positions)
             except OriginalsUnavailable as exc:
                 self.last_error = f"broker: {exc}"
+                self._metrics.redelivery_errors.labels("read").inc()
                 log.warning("cannot read originals now, retrying later: %s", exc)
                 found = {}
             for entry, position in zip(need, positions, strict=True):
@@ -533,6 +535,7 @@ class Redeliverer:
                 if time.perf_counter() + pause > give_up:
                     raise
                 self.last_error = f"store: {exc}"
+                self._metrics.redelivery_errors.labels("record").inc()
                 log.warning("recording a redelivery round failed, retrying: %s", exc)
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 2.0)
@@ -612,6 +615,7 @@ class Redeliverer:
                 ticket = await batches.add(target, original.key, original.value, record_headers)
             except (KafkaError, KmqError) as exc:
                 log.warning("cannot produce to %s now: %r", target, exc)
+                self._metrics.redelivery_errors.labels("produce").inc()
                 retry.append((entry.key, now_ms + RETRY_AFTER_MS))
                 continue
             sends.append((entry, plan, target, detail, ticket))
