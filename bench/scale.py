@@ -7,14 +7,15 @@ falls due while the tracker runs), growing through ``sizes``. At each size:
   (the table size stays put), per marker;
 * **due-scan**: ``Store.next_due_ms`` over the 8 partitions, and ``Store.claim_due`` of 1,000
   due entries (the claimed ones move out of the due range, so repeats claim others);
-* **API**: a tracker replica with its admin API on uvicorn runs as a subprocess on the store;
+* **API**: a tracker replica with its admin API and web console on uvicorn runs as a subprocess
+  on the store;
   ``GET /v1/messages?limit=100`` (key order), ``GET /v1/messages?state=in_flight&order=due``
   and ``GET /v1/topics/{topic}``, sequentially, median latency; and the subprocess's RSS.
 
 Scenario 5 runs at the largest size: while a load process writes 1,000 messages/s of markers
 (each START acked 3 s later, outside the coalescing window, so the store takes every upsert and
 delete) that the tracker ingests, ``concurrency`` HTTP clients hit the list and stats endpoints
-for ``api_seconds`` each.
+for ``api_seconds`` each, then at the web console's pages (target: p95 <= 200 ms).
 """
 
 from __future__ import annotations
@@ -234,6 +235,17 @@ ENDPOINTS: dict[str, Callable[[str], str]] = {
 }
 
 
+def console_pages(queue: str, message_id: str) -> dict[str, str]:
+    """The web console's pages (the tracker runs without tokens: reads are open, no login)."""
+    return {
+        "overview": "/console/",
+        "topic": f"/console/topics/{queue}",
+        "topic_due": f"/console/topics/{queue}?state=in_flight&order=due",
+        "message": f"/console/messages/{message_id}",
+        "dead_letters": "/console/dlq",
+    }
+
+
 class StoreSeeder(Protocol):
     """What :func:`measure` asks of a seeder (per-message here, ranges in scale_ranges)."""
 
@@ -365,7 +377,9 @@ async def _api_load(
     rate: int,
 ) -> dict[str, Any]:
     before = await highwaters(infra.bootstrap, markers)
-    total = seconds * len(ENDPOINTS) + 4
+    first = (await client.get("/v1/messages?limit=1")).json()["items"][0]["id"]
+    pages = console_pages(queue, first)
+    total = seconds * (len(ENDPOINTS) + len(pages)) + 4
     process = multiprocessing.get_context("spawn").Process(
         target=_paced_load,
         args=(infra.bootstrap, markers, queue, rate, total, seeder.next_message + 10_000_000),
@@ -377,6 +391,9 @@ async def _api_load(
     for name, path in ENDPOINTS.items():
         latencies, rps = await load(client, path(queue), concurrency, seconds)
         out[name] = {**summary_ms(latencies), "rps": rps}
+    for name, page in pages.items():
+        latencies, rps = await load(client, page, concurrency, seconds)
+        out[f"console_{name}"] = {**summary_ms(latencies), "rps": rps}
     await asyncio.to_thread(process.join, total + 30)
     after = await highwaters(infra.bootstrap, markers)
     out["markers_written"] = sum(after.values()) - sum(before.values())
@@ -446,6 +463,19 @@ def _api_figures(result: ScenarioResult, store: str, data: dict[str, Any]) -> No
             )
         )
         result.add(Figure(f"{store} {name}: throughput", d["rps"], "req/s"))
+    for name in (k for k in data if k.startswith("console_")):
+        d = data[name]
+        result.add(
+            Figure(
+                f"{store} {name.replace('_', ' ', 1)} page: p95 latency",
+                d["p95_ms"],
+                "ms",
+                200,
+                "<=",
+                note=f"{d['rps']:.0f} pages/s, {data['concurrency']} clients, "
+                f"{data['size']:,} tracked, ingest running",
+            )
+        )
     result.add(
         Figure(f"{store}: markers written during the test", data["markers_per_s"], "markers/s")
     )
