@@ -107,8 +107,8 @@ class Metrics:
         )
         self.fenced = Counter(
             "kmq_fenced_total",
-            "Times this replica's writes for markers partitions were refused because another "
-            "replica had taken them over (fencing); it stops working on them.",
+            "Times this replica found markers partitions taken over by another replica "
+            "(fencing: its writes for them are refused); it stops working on them.",
             registry=r,
         )
         self.redelivery_errors = Counter(

@@ -39,31 +39,36 @@ ALERTS = [
     "KmqTrackerDown",
     "KmqMarkersPartitionsUnowned",
     "KmqMarkersPartitionsOverclaimed",
+    "KmqFencingLost",
     "KmqIngestBrokerUnreachable",
-    "KmqIngestFlushSlow",
+    "KmqIngestLagGrowing",
     "KmqOldestInFlightTooOld",
     "KmqDeadLetterRateHigh",
     "KmqDeadLettersWaiting",
     "KmqRedeliveryLate",
+    "KmqRedeliveryFailing",
     "KmqDelayedMessagesOverdue",
     "KmqMessagesLost",
     "KmqInvalidMarkers",
 ]
 #: The alerts whose condition compares with a `threshold` value.
 WITH_THRESHOLD = [
-    "KmqIngestFlushSlow",
+    "KmqIngestLagGrowing",
     "KmqOldestInFlightTooOld",
     "KmqDeadLetterRateHigh",
     "KmqDeadLettersWaiting",
     "KmqRedeliveryLate",
+    "KmqRedeliveryFailing",
     "KmqDelayedMessagesOverdue",
     "KmqInvalidMarkers",
 ]
 #: The alerts that look at a range (`window`) of their metric.
 WITH_WINDOW = [
-    "KmqIngestFlushSlow",
+    "KmqFencingLost",
+    "KmqIngestLagGrowing",
     "KmqDeadLetterRateHigh",
     "KmqRedeliveryLate",
+    "KmqRedeliveryFailing",
     "KmqMessagesLost",
     "KmqInvalidMarkers",
 ]
@@ -73,6 +78,7 @@ OWNERSHIP = ["KmqMarkersPartitionsUnowned", "KmqMarkersPartitionsOverclaimed"]
 TARGET_LABELS = {"instance", "job"}
 #: Functions that take a counter's range; a gauge has no business in them.
 COUNTER_FUNCTIONS = {"rate", "irate", "increase"}
+LITERALS = (promql.NumberLiteral, promql.StringLiteral)
 
 #: prometheus-operator's PrometheusRule is a CRD, so kubernetes-validate has no schema for it.
 #: This one follows the CRD's fields (monitoring.coreos.com/v1) and refuses others.
@@ -198,7 +204,7 @@ def selectors(
     elif isinstance(node, promql.SubqueryExpr):
         yield from selectors(node.expr, function)
     else:
-        assert isinstance(node, (promql.NumberLiteral, promql.StringLiteral)), repr(node)
+        assert isinstance(node, LITERALS), repr(node)
 
 
 def metric_name(selector: promql.VectorSelector) -> str:
@@ -229,7 +235,11 @@ def kept_labels(node: promql.Expr) -> set[str] | None:
             [selector] = node.args
             assert isinstance(selector, promql.VectorSelector)
             return set(equality_matchers(selector))
-        return None
+        # deriv(), rate(), increase(), ...: the series of their one vector argument.
+        vectors = [a for a in node.args if not isinstance(a, LITERALS)]
+        return kept_labels(vectors[0]) if len(vectors) == 1 else None
+    if isinstance(node, promql.SubqueryExpr):
+        return kept_labels(node.expr)
     if isinstance(node, promql.BinaryExpr):
         if isinstance(node.rhs, promql.NumberLiteral):
             return kept_labels(node.lhs)
@@ -247,17 +257,24 @@ def kept_labels(node: promql.Expr) -> set[str] | None:
 
 
 def compared_with(expr: promql.Expr) -> float:
-    """The number an alert's condition ``<vector> <op> <number>`` compares with."""
+    """The number an alert's condition ``<vector> <op> <number>`` compares with (in
+    ``<condition> and <more conditions>``: the first condition's)."""
     assert isinstance(expr, promql.BinaryExpr), expr.prettify()
+    if str(expr.op) == "and":
+        return compared_with(expr.lhs)
     assert isinstance(expr.rhs, promql.NumberLiteral), expr.prettify()
     return expr.rhs.val
 
 
 def ranges(expr: promql.Expr) -> set[timedelta]:
+    """The ranges ``expr`` looks back over: of its range selectors and subqueries."""
     found: set[timedelta] = set()
 
     def visit(node: promql.Expr) -> None:
         if isinstance(node, promql.MatrixSelector):
+            found.add(node.range)
+        elif isinstance(node, promql.SubqueryExpr):
+            assert node.range is not None, node.prettify()  # the parser requires one
             found.add(node.range)
 
     promql.walk(expr, visit)
@@ -444,6 +461,51 @@ def test_annotations_name_only_labels_the_alert_keeps(
         assert shown <= allowed, (name, shown, kept)
 
 
+@pytest.mark.unit
+def test_and_joins_series_that_carry_the_same_labels(
+    default_rules: dict[str, dict[str, Any]],
+) -> None:
+    """``a and b`` (no on()/ignoring()) keeps the series of ``a`` that ``b`` has with the very
+    same labels: sides aggregated by different labels never match, and the alert never fires."""
+    for name, rule in default_rules.items():
+        joins: list[promql.BinaryExpr] = []
+
+        def visit(node: promql.Expr, joins: list[promql.BinaryExpr] = joins) -> None:
+            if isinstance(node, promql.BinaryExpr) and str(node.op) in {"and", "unless"}:
+                joins.append(node)
+
+        promql.walk(promql.parse(rule["expr"]), visit)
+        for join in joins:
+            assert join.modifier is None or join.modifier.matching is None, (name, str(join))
+            assert kept_labels(join.lhs) == kept_labels(join.rhs), (name, join.prettify())
+
+
+@pytest.mark.unit
+def test_ingest_lag_alert_needs_a_backlog_that_does_not_shrink(
+    default_rules: dict[str, dict[str, Any]],
+) -> None:
+    """Above the threshold *and* the slope of that same backlog over the window is not negative:
+    a large backlog that ingest is working off (a replica catching up after a restart) is quiet."""
+    expr = promql.parse(default_rules["KmqIngestLagGrowing"]["expr"])
+    shown = expr.prettify()
+    assert isinstance(expr, promql.BinaryExpr), shown
+    assert str(expr.op) == "and", shown
+    high, not_shrinking = expr.lhs, expr.rhs
+    assert isinstance(high, promql.BinaryExpr), shown
+    assert str(high.op) == ">", shown
+    assert compared_with(high) == 10000  # the default threshold, in markers
+    assert isinstance(not_shrinking, promql.BinaryExpr), shown
+    assert str(not_shrinking.op) == ">=", shown
+    assert compared_with(not_shrinking) == 0, shown
+    slope = not_shrinking.lhs
+    assert isinstance(slope, promql.Call), shown
+    assert slope.func.name == "deriv", shown
+    [backlog] = slope.args
+    assert isinstance(backlog, promql.SubqueryExpr), shown
+    assert backlog.range == timedelta(minutes=10)  # the default window
+    assert backlog.expr.prettify() == high.lhs.prettify()  # the sum the threshold applies to
+
+
 # -- runbooks ------------------------------------------------------------------------------------
 
 
@@ -496,13 +558,18 @@ def exposed_series(exposition: str) -> dict[str, str]:
     return names
 
 
-def owned_partitions(exposition: str) -> list[float]:
-    return [
-        sample.value
+def samples(exposition: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """The labels of every sample of series ``name`` -> its value."""
+    return {
+        frozenset(sample.labels.items()): sample.value
         for family in text_string_to_metric_families(exposition)
         for sample in family.samples
-        if sample.name == "kmq_owned_markers_partitions"
-    ]
+        if sample.name == name
+    }
+
+
+def owned_partitions(exposition: str) -> list[float]:
+    return list(samples(exposition, "kmq_owned_markers_partitions").values())
 
 
 async def scrape_live_tracker(
@@ -525,6 +592,14 @@ async def scrape_live_tracker(
         await eventually(
             lambda: registry.get_sample_value("kmq_owned_markers_partitions") == partitions,
             "the tracker to own every markers partition",
+        )
+        # kmq_markers_lag{partition} is set after a fetch for a partition the tracker owns.
+        await eventually(
+            lambda: all(
+                registry.get_sample_value("kmq_markers_lag", {"partition": str(p)}) is not None
+                for p in range(partitions)
+            ),
+            "the tracker to report the markers lag of every partition it owns",
         )
         context = ApiContext.from_tracker(tracker)
         try:
@@ -560,3 +635,13 @@ async def test_every_metric_the_alerts_read_is_exported_by_a_live_tracker(
     # neither of them fires.
     for name in OWNERSHIP:
         assert owned_partitions(exposition) == [compared_with(promql.parse(rules[name]["expr"]))]
+    # It reads every markers partition it owns, up to their end (the topic is empty); it was
+    # never fenced; the redelivery error counters are there at 0 for every stage, so that
+    # increase() sees their first error.
+    lag = samples(exposition, "kmq_markers_lag")
+    assert lag == {frozenset({("partition", str(p))}): 0.0 for p in range(2)}
+    assert sum(lag.values()) <= compared_with(promql.parse(rules["KmqIngestLagGrowing"]["expr"]))
+    assert samples(exposition, "kmq_fenced_total") == {frozenset(): 0.0}
+    assert samples(exposition, "kmq_redelivery_errors_total") == {
+        frozenset({("stage", stage)}): 0.0 for stage in ("claim", "read", "produce", "record")
+    }

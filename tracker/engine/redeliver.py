@@ -289,6 +289,7 @@ class Redeliverer:
             return await self._record(queued)
         except StoreUnavailable as exc:
             self.last_error = f"store: {exc}"
+            self._metrics.redelivery_errors.labels("record").inc()
             log.warning(
                 "a redelivery round could not be recorded (its %d entries are republished "
                 "when their claim lease runs out): %s",
@@ -362,6 +363,7 @@ class Redeliverer:
         self._phase["claim"].observe(time.perf_counter() - started)
         if fenced:
             log.warning("redelivery fenced out of markers partitions %s", sorted(fenced))
+            self._metrics.fenced.inc()
         if not claimed:
             return None
         # An entry with markers still in the coalescing window (an ACK, say) is decided by
@@ -494,6 +496,7 @@ class Redeliverer:
                     events.append(TrackerEvent("dead_lettered", entry, detail))
         for target, error in failed.items():  # one line per topic, not one per record
             log.warning("producing to %s failed (retried later): %r", target, error)
+            self._metrics.redelivery_errors.labels("produce").inc()
         events += self._report_lost(queued.lost_entries, queued.lost, counted)
         await self._finish(
             claimed, done=done, dead=dead, lost=queued.lost, retry=retry, now_ms=now_ms
