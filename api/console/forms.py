@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Annotated, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Form, Request, Response
 from fastapi.responses import RedirectResponse
@@ -79,7 +80,9 @@ async def login(
         cookie,
         max_age=int(settings.console_session.total_seconds()),
         path="/console",
-        secure=request.url.scheme == "https",
+        # Behind a TLS-terminating proxy the app sees http; the proxy's header says https.
+        secure=request.url.scheme == "https"
+        or request.headers.get("x-forwarded-proto", "").lower() == "https",
         httponly=True,
         samesite="strict",
     )
@@ -128,7 +131,7 @@ async def act(
             raise ConsoleError(422, "say by how many minutes to extend the lease")
         extend = models.ExtendBody(by_ms=round(extend_minutes * 60_000), reason=reason)
         await messages.extend(**common, body=extend)  # type: ignore[arg-type]
-    return _see(f"/console/messages/{canonical}?done={action}")
+    return _see(f"/console/messages/{quote(canonical, safe='/')}?done={action}")
 
 
 @router.post("/redrive")
@@ -156,7 +159,10 @@ async def start_redrive(
         "reason": why,
     }
     if ids.strip():
-        raw["ids"] = ids.replace(",", " ").split()
+        try:
+            raw["ids"] = [int(part) for part in ids.replace(",", " ").split()]
+        except ValueError:
+            raise ConsoleError(422, "dead letter ids are whole numbers") from None
     else:
         selection = {"topic": topic, "group": group, "reason": reason_filter}
         raw["filter"] = {k: v for k, v in selection.items() if v}

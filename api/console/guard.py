@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -70,7 +70,7 @@ def current_session(request: Request) -> ConsoleSession:
 def actor(request: Request, session: ConsoleSession, csrf: str | None) -> Principal:
     """The principal of a form post, after the checks every mutation needs."""
     origin = request.headers.get("origin")
-    if origin is not None and origin != _own_origin(request):
+    if origin is not None and not _same_host(origin, request):
         raise ConsoleError(403, "this form was posted from another site")
     if session.role is not Role.ADMIN:
         raise ConsoleError(403, "this login may only read; actions need the admin token")
@@ -79,8 +79,10 @@ def actor(request: Request, session: ConsoleSession, csrf: str | None) -> Princi
     return Principal(CONSOLE_ACTOR, Role.ADMIN)
 
 
-def _own_origin(request: Request) -> str:
-    return f"{request.url.scheme}://{request.url.netloc}"
+def _same_host(origin: str, request: Request) -> bool:
+    """The post comes from a page of this host. The scheme is not compared: behind a
+    TLS-terminating proxy the browser's origin is https while the app sees http."""
+    return urlsplit(origin).netloc.lower() == request.url.netloc.lower()
 
 
 def safe_next(target: str | None) -> str:
@@ -97,6 +99,8 @@ def safe_next(target: str | None) -> str:
 
 def _login_redirect(request: Request) -> Response:
     here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    if request.method != "GET":
+        here = "/console/"  # a form post cannot be replayed as a GET after logging in
     target = f"{LOGIN}?next={quote(safe_next(here), safe='')}"
     if request.headers.get("hx-request"):
         # A background refresh: have htmx load the login page, not swap it into a section.

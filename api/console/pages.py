@@ -169,8 +169,9 @@ async def topic_page(
     topic: Annotated[str, Path(pattern=TOPIC_PATTERN)],
     state: Annotated[list[MessageState] | None, Query()] = None,
     group: Annotated[str | None, Query(max_length=255, pattern=TEXT_PATTERN)] = None,
-    min_attempt: Annotated[int | None, Query(ge=1, le=0xFFFF)] = None,
-    min_age_minutes: Annotated[int | None, Query(ge=0, le=10_000_000)] = None,
+    min_attempt: Annotated[str | None, Query(max_length=10)] = None,
+    min_age_minutes: Annotated[str | None, Query(max_length=10)] = None,
+    seen_before_ms: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
     order: Annotated[Literal["key", "due"], Query()] = "key",
     cursor: Annotated[str | None, Query(max_length=4000, pattern=r"^[A-Za-z0-9_-]+$")] = None,
 ) -> Response:
@@ -178,12 +179,19 @@ async def topic_page(
     stats = await topics.get_topic(
         topic=topic, context=context, _=reader(session), window_minutes=60
     )
+    attempt = _whole(min_attempt, "attempt", 1, 0xFFFF)
+    age = _whole(min_age_minutes, "age in minutes", 0, 10_000_000)
+    # "Older than n minutes" is turned into a time once, when the filter is submitted: the
+    # next pages and the refreshes carry that time, so that the listing (and its cursor)
+    # stays the same one.
+    if seen_before_ms is None and age:
+        seen_before_ms = now_ms - age * 60_000
     flt = EntryFilter(
         topic=topic,
         states=tuple(State(s.value) for s in state or ()),
         group=group or None,
-        min_attempt=min_attempt,
-        seen_before_ms=now_ms - min_age_minutes * 60_000 if min_age_minutes else None,
+        min_attempt=attempt,
+        seen_before_ms=seen_before_ms,
     )
     page = await messages.find_messages(
         context, flt, EntryOrder(order), limit=PAGE_SIZE, cursor=cursor
@@ -191,8 +199,9 @@ async def topic_page(
     params = {
         "state": [s.value for s in state or ()],
         "group": group,
-        "min_attempt": min_attempt,
-        "min_age_minutes": min_age_minutes,
+        "min_attempt": attempt,
+        "min_age_minutes": age,
+        "seen_before_ms": seen_before_ms,
         "order": order,
     }
     return render(
@@ -208,6 +217,19 @@ async def topic_page(
         now=from_millis(now_ms),
         cursor=cursor,
     )
+
+
+def _whole(text: str | None, what: str, low: int, high: int) -> int | None:
+    """A whole number from a form field; an empty field is no filter."""
+    if text is None or not text.strip():
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConsoleError(422, f"the {what} must be a whole number, not {text!r}") from None
+    if not low <= value <= high:
+        raise ConsoleError(422, f"the {what} must be between {low} and {high}")
+    return value
 
 
 # -- one message ----------------------------------------------------------------------------------
@@ -226,8 +248,14 @@ async def message_page(
     done: Annotated[Literal["redeliver", "extend", "ack", "dead_letter"] | None, Query()] = None,
 ) -> Response:
     key = parse_message_id(message_id)
+    # A refresh (htmx) swaps the status section only: it does not search the markers topic.
+    refresh = request.headers.get("hx-request") == "true"
     detail = await messages.get_message(
-        message_id=message_id, context=context, _=reader(session), markers=True, preview_bytes=None
+        message_id=message_id,
+        context=context,
+        _=reader(session),
+        markers=not refresh,
+        preview_bytes=None,
     )
     waiting = [d for d in detail.dead_letters if d.redriven_at is None]
     return render(
@@ -360,6 +388,15 @@ async def dead_letters_page(
     )
 
 
+@router.get("/redrive")
+async def jobs_page(request: Request, context: Context, session: Session) -> Response:
+    """The recent redrive jobs (also what the dead-letter page refreshes its list from)."""
+    jobs = await redrive.list_jobs(
+        context=context, _=reader(session), state=None, limit=20, cursor=None
+    )
+    return render(request, "jobs.html", session, nav="dlq", jobs=jobs.items)
+
+
 @router.get("/redrive/{job_id}")
 async def job_page(
     *,
@@ -376,7 +413,8 @@ async def job_page(
     would_move: list[models.DeadLetterView] = []
     selected = job.selection.get("filter")
     if job.dry_run and isinstance(selected, dict):
-        flt = DeadLetterFilter(**selected)
+        known = {k: v for k, v in selected.items() if k in DeadLetterFilter.__slots__}
+        flt = DeadLetterFilter(**known)
         rows = await context.admin.list_dead_letters(flt, limit=20)
         would_move = [dead_letter_view(row) for row in rows]
     return render(
@@ -387,7 +425,11 @@ async def job_page(
         job=job,
         items=items.items,
         would_move=would_move,
-        selected=selected if isinstance(selected, dict) else None,
+        # The "for real" form carries topic, group and reason: offered only when that is all
+        # the dry run selected (one made through the API with a time window is not).
+        selected=selected
+        if isinstance(selected, dict) and set(selected) <= {"topic", "group", "reason", "redriven"}
+        else None,
         token=_form_token(),
     )
 

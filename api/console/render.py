@@ -96,7 +96,7 @@ def shown_bytes(preview: BytesPreview | None) -> dict[str, Any]:
     if not preview.truncated:
         try:
             parsed = json.loads(preview.data)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python parses
             pass
         else:
             if isinstance(parsed, dict | list):

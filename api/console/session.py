@@ -89,7 +89,7 @@ def read_session(
 ) -> ConsoleSession | None:
     """The session ``cookie`` stands for, or None if it is missing, forged, expired, or was
     opened with a token that is no longer configured."""
-    if not cookie or len(cookie) > 512:
+    if not cookie or len(cookie) > 512 or not cookie.isascii():
         return None
     parts = cookie.split(".")
     if len(parts) != 5 or parts[0] != _VERSION:
@@ -113,4 +113,4 @@ def read_session(
 
 
 def csrf_matches(session: ConsoleSession, given: str | None) -> bool:
-    return given is not None and hmac.compare_digest(session.csrf, given)
+    return given is not None and given.isascii() and hmac.compare_digest(session.csrf, given)

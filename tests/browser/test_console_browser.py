@@ -28,7 +28,11 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 from selenium import webdriver
-from selenium.common.exceptions import NoAlertPresentException, TimeoutException
+from selenium.common.exceptions import (
+    NoAlertPresentException,
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
@@ -106,7 +110,13 @@ class Console:
 
     def wait(self, what: str, condition: Callable[[WebDriver], Any]) -> Any:
         try:
-            return WebDriverWait(self.driver, WAIT, poll_frequency=0.2).until(condition)
+            # A section the page refreshes is replaced while the condition reads it: try again.
+            return WebDriverWait(
+                self.driver,
+                WAIT,
+                poll_frequency=0.2,
+                ignored_exceptions=(StaleElementReferenceException,),
+            ).until(condition)
         except TimeoutException:
             body = self.driver.find_element(By.TAG_NAME, "body").text
             raise AssertionError(
@@ -114,11 +124,42 @@ class Console:
                 f"{self.driver.current_url}:\n{body[:3000]}"
             ) from None
 
+    # Text is read in one script call: the page's own refreshes swap sections, and an element
+    # found in one WebDriver call may be gone (stale) by the next.
     def text(self, css: str) -> str:
-        return str(self.driver.find_element(By.CSS_SELECTOR, css).text)
+        found = self.driver.execute_script(
+            "const e = document.querySelector(arguments[0]); return e ? e.innerText : null;", css
+        )
+        assert found is not None, f"nothing matches {css} at {self.driver.current_url}"
+        return str(found).strip()
 
     def texts(self, css: str) -> list[str]:
-        return [str(e.text) for e in self.driver.find_elements(By.CSS_SELECTOR, css)]
+        found = self.driver.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0]), e => e.innerText);", css
+        )
+        return [str(t).strip() for t in found]
+
+    def reload_until(self, what: str, ready: Callable[[], bool]) -> None:
+        """Reload the page until ``ready()``: for what a page reads from Kafka within
+        ``api_kafka_read_timeout`` (payload, marker history), which a busy broker may miss
+        once (the page then says so and shows the rest)."""
+
+        def shown(driver: WebDriver) -> bool:
+            if ready():
+                return True
+            driver.refresh()
+            return False
+
+        self.wait(what, shown)
+
+    def click(self, what: str, find: Callable[[WebDriver], Any]) -> None:
+        """Click what ``find`` returns, finding it again if a refresh replaced it."""
+
+        def clicked(driver: WebDriver) -> bool:
+            find(driver).click()
+            return True
+
+        self.wait(f"{what} to click", clicked)
 
     def login(self, token: str) -> None:
         self.driver.find_element(By.NAME, "token").send_keys(token)
@@ -141,10 +182,8 @@ class Console:
         assert injected == [], "markup from a value became part of the page"
 
     def cell(self, topic: str, column: str) -> str:
-        found = self.driver.find_elements(
-            By.CSS_SELECTOR, f"tr[data-topic='{topic}'] td[data-col='{column}']"
-        )
-        return str(found[0].text) if found else ""
+        found = self.texts(f"tr[data-topic='{topic}'] td[data-col='{column}']")
+        return found[0] if found else ""
 
 
 class Workers:
@@ -258,10 +297,9 @@ def operator_as_admin(console: Console, topic: str) -> None:
     console.assert_no_script_ran()
     console.shot("overview")
 
-    console.driver.find_element(By.LINK_TEXT, topic).click()
+    console.click("the topic", lambda d: d.find_element(By.LINK_TEXT, topic))
     console.wait("the topic page", lambda d: console.texts("[data-testid=topic-name]") == [topic])
-    rows = console.driver.find_elements(By.CSS_SELECTOR, "[data-testid=messages] tbody tr")
-    assert len(rows) == 3
+    assert len(console.texts("[data-testid=messages] tbody tr")) == 3
     console.shot("topic")
 
     console.open("/console/dlq")
@@ -285,6 +323,13 @@ def operator_as_admin(console: Console, topic: str) -> None:
     )
     assert console.text("[data-testid=status]") == "dead lettered"
     assert console.text("[data-testid=dead-letter-reason]").endswith(f": {XSS_REASON}")
+    console.reload_until(
+        "the payload and the marker history",
+        lambda: (
+            bool(console.texts("[data-testid=value]"))
+            and "rejected" in "".join(console.texts("[data-testid=history]"))
+        ),
+    )
     history = console.text("[data-testid=history]")
     for step in ("delivered (START)", "rejected", "dead-lettered"):
         assert step in history, history
@@ -358,9 +403,11 @@ def read_only_operator(console: Console, topic: str) -> None:
     console.wait("the login page", lambda d: "/console/login" in d.current_url)
     console.login(READER)
     assert console.text("[data-testid=role]") == "read-only"
-    console.driver.find_element(By.LINK_TEXT, topic).click()
+    console.click("the topic", lambda d: d.find_element(By.LINK_TEXT, topic))
     console.wait("the topic page", lambda d: console.texts("[data-testid=topic-name]") == [topic])
-    console.driver.find_element(By.CSS_SELECTOR, "[data-testid=messages] tbody td a").click()
+    console.click(
+        "a message", lambda d: d.find_element(By.CSS_SELECTOR, "[data-testid=messages] tbody td a")
+    )
     console.wait(
         "a message page", lambda d: d.find_elements(By.CSS_SELECTOR, "[data-testid=status]")
     )

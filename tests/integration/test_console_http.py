@@ -7,6 +7,7 @@ chart) is in tests/browser.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 import time
@@ -305,3 +306,56 @@ async def test_a_dry_run_shows_what_would_move(env: ApiEnv) -> None:
     bad = await admin.post("/console/redrive", data={"csrf": csrf_of(page), "rate": "-1"})
     assert bad.status_code == 422
     assert 'data-testid="error"' in bad.text
+
+
+async def test_requeue_by_id_and_posts_from_behind_a_tls_proxy(env: ApiEnv) -> None:
+    [dead] = await insert_dead_letters(env.context, [{"origin_offset": 7}])
+    admin = await browser(env, ADMIN_TOKEN)
+    page = (await admin.get("/console/messages/billing/orders/0/7?confirm=requeue")).text
+    assert f'name="ids" value="{dead}"' in page
+    # The browser's origin is https (the proxy ends TLS), the app sees http: same host, fine.
+    response = await admin.post(
+        "/console/redrive",
+        data={"csrf": csrf_of(page), "ids": str(dead), "why": "fixed"},
+        headers={"Origin": "https://kmq.test"},
+    )
+    assert response.status_code == 303, response.text
+    job = await env.context.admin.get_job(int(response.headers["location"].rsplit("/", 1)[1]))
+    assert job is not None
+    assert job.selection == {"ids": [dead]}
+    assert (job.total, job.created_by) == (1, "admin (console)")
+    bad = await admin.post("/console/redrive", data={"csrf": csrf_of(page), "ids": "7, x"})
+    assert bad.status_code == 422
+
+
+async def test_topic_filters_left_empty_and_an_age_filter_across_pages(env: ApiEnv) -> None:
+    # entry() makes them first seen in 2027 minus seconds: "older than a minute" is false for
+    # them unless the clock is past that; put them an hour in the past instead.
+    old = int(time.time() * 1000) - 3_600_000
+    await insert_entries(
+        env.context, [dataclasses.replace(entry(i), first_seen_ms=old - i) for i in range(60)]
+    )
+    client = await browser(env, READ_TOKEN)
+    # A form submitted with empty number fields filters on nothing.
+    response = await client.get(
+        "/console/topics/orders", params={"min_attempt": "", "min_age_minutes": "", "group": ""}
+    )
+    assert response.status_code == 200, response.text
+    assert response.text.count("/console/messages/billing/orders/0/") == 50
+    # "Older than 1 minute" (every entry is older), then the next page: the same listing.
+    first = await client.get("/console/topics/orders", params={"min_age_minutes": "1"})
+    assert first.status_code == 200
+    found = re.search(r'href="(/console/topics/orders\?[^"]*cursor=[^"]+)" rel="next"', first.text)
+    assert found, "no next page"
+    assert "seen_before_ms=" in found.group(1)
+    second = await client.get(html.unescape(found.group(1)))
+    assert second.status_code == 200, second.text
+    assert second.text.count("/console/messages/billing/orders/0/") == 10
+    assert (await client.get("/console/topics/orders?min_attempt=x")).status_code == 422
+
+
+async def test_a_cookie_that_is_not_ascii_is_no_session(env: ApiEnv) -> None:
+    client = await browser(env, None)
+    cookie = f"{COOKIE}=v1.admin.9999999999.\u00e9.x".encode()
+    response = await client.get("/console/", headers={"Cookie": cookie})
+    assert response.status_code == 303

@@ -106,3 +106,14 @@ def test_hex_dumps_are_capped() -> None:
     lines = dump.splitlines()
     assert len(lines) == 3
     assert lines[-1] == "… 10,208 more bytes"
+
+
+def test_json_nested_too_deep_for_python_shows_as_text() -> None:
+    deep = "[" * 2000 + "]" * 2000
+    shown = shown_bytes(BytesPreview(encoding="utf-8", data=deep, size=4000, truncated=False))
+    assert (shown["kind"], shown["text"]) == ("text", deep)
+
+
+def test_a_form_token_that_is_not_ascii_does_not_match() -> None:
+    _, session = open_session(settings(), Role.ADMIN, NOW)
+    assert not csrf_matches(session, "\u00e9" * len(session.csrf))
