@@ -357,5 +357,5 @@ async def test_topic_filters_left_empty_and_an_age_filter_across_pages(env: ApiE
 async def test_a_cookie_that_is_not_ascii_is_no_session(env: ApiEnv) -> None:
     client = await browser(env, None)
     cookie = f"{COOKIE}=v1.admin.9999999999.\u00e9.x".encode()
-    response = await client.get("/console/", headers={"Cookie": cookie})
+    response = await client.get("/console/", headers={b"Cookie": cookie})
     assert response.status_code == 303
