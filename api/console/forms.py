@@ -14,25 +14,22 @@ import time
 from typing import Annotated, Literal
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Form, Request, Response
+from fastapi import APIRouter, Form, Request, Response
 from fastapi.responses import RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import ValidationError
 
 from .. import models
-from ..context import ApiContext
 from ..errors import ApiError
 from ..ids import format_message_id, parse_message_id
 from ..routes import messages, redrive
 from ..security import identify
-from .guard import ConsoleError, ConsoleRoute, actor, context_of, current_session, safe_next
+from .guard import ConsoleError, ConsoleRoute, Context, Session, actor, open_reads, safe_next
 from .render import render
-from .session import COOKIE, ConsoleSession, open_session
+from .session import COOKIE, open_session
 
 router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
 
-Session = Annotated[ConsoleSession, Depends(current_session)]
-Context = Annotated[ApiContext, Depends(context_of)]
 Csrf = Annotated[str | None, Form(max_length=200)]
 FormKey = Annotated[str | None, Form(max_length=255, pattern=r"^[\x21-\x7e]+$")]
 Text = Annotated[str, Form(max_length=1000)]
@@ -59,7 +56,7 @@ async def login(
     next: Annotated[str | None, Form(max_length=4000)] = None,
 ) -> Response:
     settings = context.settings
-    if settings.api_token is None and settings.api_read_token is None:
+    if open_reads(context):
         return _see(safe_next(next))  # reads are open; there is nothing to log in to
     try:
         role = identify(settings, HTTPAuthorizationCredentials(scheme="Bearer", credentials=token))

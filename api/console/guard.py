@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote, urlsplit
 
-from fastapi import Request, Response
+from fastapi import Depends, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse
 from fastapi.routing import APIRoute
@@ -23,6 +23,7 @@ from tracker.kafka.originals import OriginalsUnavailable
 from tracker.store import StoreUnavailable
 
 from ..context import ApiContext
+from ..deps import get_context
 from ..errors import ApiError
 from ..security import Principal, Role
 from .render import render
@@ -44,13 +45,6 @@ class ConsoleError(Exception):
         self.detail = detail
 
 
-def context_of(request: Request) -> ApiContext:
-    context = getattr(request.app.state, "context", None)
-    if not isinstance(context, ApiContext):
-        raise ConsoleError(503, "the tracker is starting up; try again shortly")
-    return context
-
-
 def open_reads(context: ApiContext) -> bool:
     """No token is configured: reads are open (and mutations refused), as in the API."""
     settings = context.settings
@@ -58,7 +52,7 @@ def open_reads(context: ApiContext) -> bool:
 
 
 def current_session(request: Request) -> ConsoleSession:
-    context = context_of(request)
+    context = get_context(request)  # its 503 while starting is shown as the error page
     if open_reads(context):
         return ConsoleSession(Role.ANONYMOUS, 0, "")
     session = read_session(context.settings, request.cookies.get(COOKIE), int(time.time()))
@@ -111,9 +105,14 @@ def _login_redirect(request: Request) -> Response:
 def _error_page(request: Request, status: int, detail: str) -> Response:
     try:
         session: ConsoleSession | None = current_session(request)
-    except (LoginRequired, ConsoleError):
+    except (LoginRequired, ApiError):
         session = None
     return render(request, "error.html", session, status_code=status, status=status, detail=detail)
+
+
+#: What the console's handlers depend on: the app's context and the caller's session.
+Context = Annotated[ApiContext, Depends(get_context)]
+Session = Annotated[ConsoleSession, Depends(current_session)]
 
 
 class ConsoleRoute(APIRoute):

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from aiokafka import TopicPartition
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 
 from tracker.clock import from_millis
 from tracker.engine.entries import State
@@ -30,15 +30,13 @@ from ..models import TEXT_PATTERN, TOPIC_PATTERN, MessageState
 from ..routes import dlq, messages, redrive, topics
 from ..security import Principal
 from ..views import dead_letter_view
-from .guard import ConsoleError, ConsoleRoute, context_of, current_session
+from .guard import ConsoleError, ConsoleRoute, Context, Session
 from .parked import parked_record, recent_parked
 from .render import render
 from .session import ConsoleSession
 
 router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
 
-Session = Annotated[ConsoleSession, Depends(current_session)]
-Context = Annotated[ApiContext, Depends(context_of)]
 
 #: Rows per page of the message and dead-letter listings.
 PAGE_SIZE = 50

@@ -25,7 +25,7 @@ from tracker.ids import MessageId
 from tracker.kafka.originals import OriginalRecord, OriginalsUnavailable
 
 from ..context import ApiContext, not_served
-from .render import hex_dump
+from .render import hex_dump, printable
 
 #: Newest parked records shown per partition of the invalid topic.
 RECENT_PER_PARTITION = 25
@@ -60,8 +60,7 @@ class ParkedRecord:
     def glimpse(self) -> str:
         """The first bytes of the value as printable ASCII (dots for the rest)."""
         data = (self.value or b"")[:LISTING_BYTES]
-        text = "".join(chr(b) if 0x20 <= b < 0x7F else "." for b in data)
-        return text + ("…" if len(self.value or b"") > LISTING_BYTES else "")
+        return printable(data) + ("…" if len(self.value or b"") > LISTING_BYTES else "")
 
 
 @dataclass(frozen=True, slots=True)

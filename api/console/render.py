@@ -72,14 +72,18 @@ def _number(value: float | int | None) -> str:
     return f"{int(value):,}"
 
 
+def printable(data: bytes) -> str:
+    """``data`` as ASCII, a dot for every byte that is not printable."""
+    return "".join(chr(b) if 0x20 <= b < 0x7F else "." for b in data)
+
+
 def hex_dump(data: bytes, limit: int = HEX_DUMP_BYTES) -> str:
     """Offset, 16 bytes in hex, and their printable ASCII, per line (like ``xxd``)."""
     lines = []
     for start in range(0, min(len(data), limit), 16):
         chunk = data[start : start + 16]
         hexed = " ".join(f"{b:02x}" for b in chunk)
-        text = "".join(chr(b) if 0x20 <= b < 0x7F else "." for b in chunk)
-        lines.append(f"{start:08x}  {hexed:<47}  {text}")
+        lines.append(f"{start:08x}  {hexed:<47}  {printable(chunk)}")
     if len(data) > limit:
         lines.append(f"… {len(data) - limit:,} more bytes")
     return "\n".join(lines)
