@@ -42,6 +42,9 @@ router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schem
 PAGE_SIZE = 50
 #: Minutes of history in the overview's charts.
 CHART_MINUTES = 60
+#: How old the tracker health's Kafka figures (markers topic ends, parked records) may be:
+#: the overview refreshes every 5 s, and every viewer within this window shares one read.
+HEALTH_MAX_AGE_SECONDS = 3.0
 ACTIONS = ("redeliver", "extend", "ack", "dead_letter")
 
 
@@ -95,7 +98,9 @@ async def _health(context: ApiContext, overview: OverviewQueries) -> TrackerHeal
     counts: dict[str, int | None] = {}
     bounds: dict[TopicPartition, tuple[int, int]] = {}
     try:
-        counts, bounds = await reads.history.run(("console", "health"), read, reads.deadline())
+        counts, bounds = await reads.history.run(
+            ("console", "health"), read, reads.deadline(), max_age=HEALTH_MAX_AGE_SECONDS
+        )
     except OriginalsUnavailable as exc:
         kafka_error = str(exc)
     partitions = [
@@ -246,13 +251,14 @@ async def message_page(
     done: Annotated[Literal["redeliver", "extend", "ack", "dead_letter"] | None, Query()] = None,
 ) -> Response:
     key = parse_message_id(message_id)
-    # A refresh (htmx) swaps the status section only: it does not search the markers topic.
-    refresh = request.headers.get("hx-request") == "true"
+    # From the database alone: what Kafka serves (the markers, the payload) is loaded after
+    # the page, by message_records; the page's refreshes swap the status section only.
     detail = await messages.get_message(
         message_id=message_id,
         context=context,
         _=reader(session),
-        markers=not refresh,
+        markers=False,
+        payload=False,
         preview_bytes=None,
     )
     waiting = [d for d in detail.dead_letters if d.redriven_at is None]
@@ -269,6 +275,20 @@ async def message_page(
         requeue=waiting[-1] if waiting else None,
         policy=context.settings.policy_for(key[1]),
         token=_form_token(),
+    )
+
+
+@router.get("/message-records/{message_id:path}")
+async def message_records(
+    request: Request, context: Context, session: Session, message_id: str
+) -> Response:
+    """The part of a message's page that Kafka serves: its history with the markers found in
+    the markers topic, and its payload (a fragment that replaces the page's ``#kafka``)."""
+    detail = await messages.get_message(
+        message_id=message_id, context=context, _=reader(session), preview_bytes=None
+    )
+    return render(
+        request, "message_records.html", session, detail=detail, timeline=timeline(detail)
     )
 
 

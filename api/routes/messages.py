@@ -210,6 +210,11 @@ async def _preview(
     return None, f"record {target} could not be read"
 
 
+async def _not_asked() -> tuple[None, None]:
+    """A Kafka read the request did not ask for: nothing, and no error."""
+    return None, None
+
+
 async def _history(
     context: ApiContext, key: EntryKey, view: EntryView | None, deadline: float
 ) -> tuple[MarkerHistory | None, str | None]:
@@ -250,6 +255,9 @@ async def get_message(
     markers: Annotated[
         bool, Query(description="Search the markers topic for this message's markers.")
     ] = True,
+    payload: Annotated[
+        bool, Query(description="Read the payload preview (from Kafka, or the store's copy).")
+    ] = True,
     preview_bytes: Annotated[
         int | None,
         Query(ge=0, le=1_048_576, description="Payload preview cap (default: the setting)."),
@@ -262,12 +270,12 @@ async def get_message(
     ``api_marker_history_scan`` records of the message's markers partition. The payload and
     the marker history are read from Kafka concurrently, within ``api_kafka_read_timeout``:
     past it, the answer has what the database has, and ``payload_error`` / ``markers_error``
-    say what Kafka did not serve.
+    say what Kafka did not serve. ``markers=false&payload=false`` reads the database only
+    (one transaction): the cheap way to poll a message's status.
     """
     key = parse_message_id(message_id)
-    view = await context.admin.get_entry(key)
-    actions = await context.admin.actions_for(key)
-    dead = await context.admin.dead_letters_for(key)
+    record = await context.admin.message_record(key)
+    view, actions, dead = record.view, record.actions, record.dead_letters
     acked_at = [
         a.created_ms
         for a in actions
@@ -285,15 +293,13 @@ async def get_message(
     cap = settings.api_payload_preview_bytes if preview_bytes is None else preview_bytes
     # One deadline for both reads, run side by side: the request waits for Kafka once.
     deadline = context.reads.deadline()
-    previewing = _preview(context, view, dead, cap, deadline)
-    history: MarkerHistory | None = None
-    history_error: str | None = None
-    if markers and settings.api_marker_history_scan > 0:
-        (payload, payload_error), (history, history_error) = await asyncio.gather(
-            previewing, _history(context, key, view, deadline)
-        )
-    else:
-        payload, payload_error = await previewing
+    previewing = _preview(context, view, dead, cap, deadline) if payload else _not_asked()
+    searching = (
+        _history(context, key, view, deadline)
+        if markers and settings.api_marker_history_scan > 0
+        else _not_asked()
+    )
+    (preview, preview_error), (history, history_error) = await asyncio.gather(previewing, searching)
     return MessageDetail(
         id=format_message_id(key),
         group=key[0],
@@ -304,8 +310,8 @@ async def get_message(
         dead_letters=[dead_letter_view(row) for row in dead],
         markers=history,
         markers_error=history_error,
-        payload=payload,
-        payload_error=payload_error,
+        payload=preview,
+        payload_error=preview_error,
     )
 
 

@@ -142,12 +142,14 @@ class Console:
     def reload_until(self, what: str, ready: Callable[[], bool]) -> None:
         """Reload the page until ``ready()``: for what a page reads from Kafka within
         ``api_kafka_read_timeout`` (payload, marker history), which a busy broker may miss
-        once (the page then says so and shows the rest)."""
+        once (the page then says so and shows the rest). A message's page loads those after
+        it is shown: it is reloaded only once that part has come and is not ``ready()``."""
 
         def shown(driver: WebDriver) -> bool:
             if ready():
                 return True
-            driver.refresh()
+            if not driver.find_elements(By.CSS_SELECTOR, "[data-testid=kafka-pending]"):
+                driver.refresh()
             return False
 
         self.wait(what, shown)

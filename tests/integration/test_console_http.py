@@ -116,6 +116,7 @@ async def test_every_page_answers_with_a_strict_policy(env: ApiEnv) -> None:
         "/console/",
         "/console/topics/orders",
         "/console/messages/billing/orders/0/1",
+        "/console/message-records/billing/orders/0/1",
         "/console/dlq",
         "/console/parked",
     ):
@@ -167,13 +168,39 @@ async def test_values_from_kafka_and_operators_render_as_text(env: ApiEnv) -> No
     client = await browser(env, ADMIN_TOKEN)
     for path in (
         "/console/messages/billing/orders/0/1",
+        "/console/message-records/billing/orders/0/1",
         "/console/dlq",
         "/console/messages/billing/orders/0/2",
+        "/console/message-records/billing/orders/0/2",
     ):
         page = (await client.get(path)).text
         assert "<script>document" not in page
         assert "<img src=x" not in page
-        assert str(markupsafe.escape(XSS_REASON)) in page
+        if "message-records" not in path or path.endswith("/2"):
+            assert str(markupsafe.escape(XSS_REASON)) in page
+
+
+async def test_a_message_page_answers_from_the_store_and_loads_kafka_after(env: ApiEnv) -> None:
+    """The page itself reads no Kafka: the markers and the payload come in a fragment that
+    the page loads (``#kafka``), which also shows the history the store has."""
+    await insert_entries(env.context, [entry(1)])
+    await insert_dead_letters(env.context, [{"origin_offset": 1, "reason": "bad json"}])
+    client = await browser(env, READ_TOKEN)
+    page = (await client.get("/console/messages/billing/orders/0/1")).text
+    assert 'hx-get="/console/message-records/billing/orders/0/1"' in page
+    assert 'data-testid="kafka-pending"' in page
+    assert 'data-testid="value"' not in page
+    assert "dead-lettered" in page  # the store's part of the history is there at once
+    fragment = await client.get("/console/message-records/billing/orders/0/1")
+    assert fragment.status_code == 200
+    assert fragment.text.lstrip().startswith('<div id="kafka" data-testid="kafka-read">')
+    assert "<html" not in fragment.text
+    assert "dead-lettered" in fragment.text
+    # The inserted entry's copy is not in Kafka: the fragment says what it could not read.
+    assert "<h2>Payload</h2>" in fragment.text
+    assert 'data-testid="kafka-pending"' not in fragment.text
+    missing = await client.get("/console/message-records/billing/orders/0/99")
+    assert missing.status_code == 404
 
 
 async def test_actions_need_the_admin_login_and_the_forms_token(env: ApiEnv) -> None:
@@ -217,7 +244,7 @@ async def test_actions_need_the_admin_login_and_the_forms_token(env: ApiEnv) -> 
     assert view is not None
     assert view.entry.due_at_ms is not None
     assert view.entry.due_at_ms <= int(time.time() * 1000)
-    [action] = await env.context.admin.actions_for(("billing", "orders", 0, 1))
+    [action] = (await env.context.admin.message_record(("billing", "orders", 0, 1))).actions
     assert (action.actor, action.reason) == ("admin (console)", "from the console")
     # An action the state does not allow answers the API's 409 as a page.
     await insert_entries(env.context, [entry(9, state=State.LOST)])

@@ -148,6 +148,15 @@ class EntryView:
     payload_stored: bool
 
 
+@dataclass(frozen=True, slots=True)
+class MessageRecord:
+    """What the store knows of one message (``AdminStore.message_record``)."""
+
+    view: EntryView | None  #: its tracked entry, if it is tracked
+    actions: list[ActionRecord]  #: operator actions on it, oldest first
+    dead_letters: list[dict[str, Any]]  #: its dead letters, oldest first
+
+
 def _entry_view(row: Any) -> EntryView:
     return EntryView(entry_from_values(row[:-1]), bool(row[-1]))
 
@@ -175,6 +184,24 @@ def _entry_where(query: Select[Any], flt: EntryFilter) -> Select[Any]:
     if flt.seen_before_ms is not None:
         query = query.where(tracked.c.first_seen_ms < flt.seen_before_ms)
     return query
+
+
+def _after(sort: Sequence[Any], after: Sequence[Any], flt: EntryFilter) -> Any:
+    """The keyset condition "after ``after`` in ``sort`` order", as an index range.
+
+    A column the filter fixes (the topic, the group) is left out of the row comparison when
+    the cursor has the same value there: the comparison is the same, and what is left is
+    the rest of the listing's index (``ix_tracked_topic_key``: topic, group, partition,
+    offset), which the planners can then seek instead of filtering the topic from its start.
+    """
+    fixed = {tracked.c.origin_topic.key: flt.topic, tracked.c.group_id.key: flt.group}
+    kept = [
+        (column, value)
+        for column, value in zip(sort, after, strict=True)
+        if fixed.get(column.key) is None or fixed[column.key] != value
+    ]
+    columns = [column for column, _ in kept]
+    return tuple_(*columns) > _typed(columns, [value for _, value in kept])
 
 
 def _sort_key(order: EntryOrder) -> Any:
@@ -648,16 +675,12 @@ class AdminStore:
         pagination never repeats or skips a row whose sort key does not change meanwhile.
         """
         query = _entry_where(select(*_ENTRY_COLUMNS), flt)
-        if order is EntryOrder.KEY:
-            if after is not None:
-                query = query.where(tuple_(*KEY_COLUMNS) > _typed(KEY_COLUMNS, after))
-            query = query.order_by(*KEY_COLUMNS)
-        else:
-            sort = (tracked.c.due_at_ms, *KEY_COLUMNS)
+        sort = KEY_COLUMNS if order is EntryOrder.KEY else (tracked.c.due_at_ms, *KEY_COLUMNS)
+        if order is EntryOrder.DUE:
             query = query.where(tracked.c.due_at_ms.is_not(None))
-            if after is not None:
-                query = query.where(tuple_(*sort) > _typed(sort, after))
-            query = query.order_by(*sort)
+        if after is not None:
+            query = query.where(_after(sort, after, flt))
+        query = query.order_by(*sort)
         async with self._transaction(read_only=True) as conn:
             rows = await conn.execute(query.limit(limit))
             views = [_entry_view(row) for row in rows]
@@ -782,30 +805,31 @@ class AdminStore:
             m["payload_timestamp_ms"] or 0,
         )
 
-    async def actions_for(self, key: EntryKey, limit: int = 100) -> list[ActionRecord]:
-        """The latest operator actions on one message, oldest first."""
-        a = actions_table.c
-        query = (
+    async def message_record(self, key: EntryKey, limit: int = 100) -> MessageRecord:
+        """Everything the store knows of one message, read in one transaction: its entry,
+        the latest ``limit`` operator actions and dead letters, each oldest first."""
+        a, d = actions_table.c, dead_letters.c
+        actions = (
             select(actions_table)
             .where(tuple_(a.group_id, a.origin_topic, a.origin_partition, a.origin_offset) == key)
             .order_by(a.id.desc())
             .limit(limit)
         )
-        async with self._transaction(read_only=True) as conn:
-            rows = list(await conn.execute(query))
-        return [_action_record(row) for row in reversed(rows)]
-
-    async def dead_letters_for(self, key: EntryKey) -> list[dict[str, Any]]:
-        """The dead letters recorded for one logical message (group + origin), oldest first."""
-        d = dead_letters.c
-        query = (
+        dead = (
             select(dead_letters)
             .where(tuple_(d.group_id, d.origin_topic, d.origin_partition, d.origin_offset) == key)
-            .order_by(d.id)
-            .limit(100)
+            .order_by(d.id.desc())
+            .limit(limit)
         )
         async with self._transaction(read_only=True) as conn:
-            return [dict(row._mapping) for row in await conn.execute(query)]
+            view = await self._get(conn, key)
+            action_rows = list(await conn.execute(actions))
+            dead_rows = list(await conn.execute(dead))
+        return MessageRecord(
+            view,
+            [_action_record(row) for row in reversed(action_rows)],
+            [dict(row._mapping) for row in reversed(dead_rows)],
+        )
 
     # -- operator actions -------------------------------------------------------------------
 

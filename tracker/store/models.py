@@ -69,6 +69,19 @@ class TrackedMessage(Base):
         Index("ix_tracked_state_due", "state", "due_at_ms"),
         # Topic statistics: the oldest in-flight message of a topic is one probe (0003).
         Index("ix_tracked_topic_state", "origin_topic", "state", "first_seen_ms"),
+        # A topic's messages in id order, and in due order (0005): the admin API's
+        # ``?topic=`` listings and the console's topic page read one page of index.
+        Index(
+            "ix_tracked_topic_key", "origin_topic", "group_id", "origin_partition", "origin_offset"
+        ),
+        Index(
+            "ix_tracked_topic_due",
+            "origin_topic",
+            "due_at_ms",
+            "group_id",
+            "origin_partition",
+            "origin_offset",
+        ),
     )
 
 
