@@ -142,6 +142,7 @@ async def start_redrive(
     topic: Annotated[str, Form(max_length=249)] = "",
     group: Annotated[str, Form(max_length=255)] = "",
     reason_filter: Text = "",
+    key_filter: Annotated[str, Form(max_length=4096)] = "",
     ids: Annotated[str, Form(max_length=200_000)] = "",
     target_topic: Annotated[str, Form(max_length=249)] = "",
     rate: Annotated[float, Form(gt=0, le=100_000)] = 100.0,
@@ -161,7 +162,7 @@ async def start_redrive(
         except ValueError:
             raise ConsoleError(422, "dead letter ids are whole numbers") from None
     else:
-        selection = {"topic": topic, "group": group, "reason": reason_filter}
+        selection = {"topic": topic, "group": group, "reason": reason_filter, "key": key_filter}
         raw["filter"] = {k: v for k, v in selection.items() if v}
     try:
         body = models.RedriveCreate.model_validate(raw)

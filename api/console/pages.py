@@ -370,6 +370,7 @@ async def dead_letters_page(
     topic: Annotated[str | None, Query(pattern=r"^([a-zA-Z0-9._-]{1,249})?$")] = None,
     group: Annotated[str | None, Query(max_length=255, pattern=TEXT_PATTERN)] = None,
     reason: Annotated[str | None, Query(max_length=1000, pattern=TEXT_PATTERN)] = None,
+    key: Annotated[str | None, Query(max_length=4096, pattern=TEXT_PATTERN)] = None,
     redriven: Annotated[Literal["", "yes", "no"], Query()] = "",
     cursor: Annotated[str | None, Query(max_length=4000, pattern=r"^[A-Za-z0-9_-]+$")] = None,
 ) -> Response:
@@ -380,16 +381,21 @@ async def dead_letters_page(
         topic=topic or None,
         group=group or None,
         reason=reason or None,
+        key=key or None,
         since=None,
         until=None,
         redriven={"yes": True, "no": False}.get(redriven),
         limit=PAGE_SIZE,
         cursor=cursor,
     )
-    groups = await OverviewQueries(context.store, context.settings.markers_topic).reason_groups()
+    queries = OverviewQueries(context.store, context.settings.markers_topic)
+    groups = await queries.reason_groups()
     jobs = await redrive.list_jobs(context=context, _=principal, state=None, limit=20, cursor=None)
-    known = await topics.list_topics(context=context, _=principal, window_minutes=5)
-    params = {"topic": topic, "group": group, "reason": reason, "redriven": redriven}
+    # The drop-downs name the topics that have dead letters: counter rows, not statistics.
+    known = await queries.dead_letter_topics()
+    if topic and topic not in known:
+        known = sorted([*known, topic])
+    params = {"topic": topic, "group": group, "reason": reason, "key": key, "redriven": redriven}
     return render(
         request,
         "dlq.html",
@@ -399,7 +405,7 @@ async def dead_letters_page(
         groups=groups,
         jobs=jobs.items,
         params=params,
-        topics=[t.topic for t in known.items],
+        topics=known,
         cursor=cursor,
         token=_form_token(),
         now=datetime.now(UTC),

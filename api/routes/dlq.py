@@ -47,6 +47,14 @@ async def list_dead_letters(
             description="Substring of the reason, case-insensitive.",
         ),
     ] = None,
+    key: Annotated[
+        str | None,
+        Query(
+            max_length=4096,
+            pattern=TEXT_PATTERN,
+            description="The record key, exactly (as UTF-8 text).",
+        ),
+    ] = None,
     since: Annotated[AwareDatetime | None, Query(description="Dead-lettered at or after.")] = None,
     until: Annotated[AwareDatetime | None, Query(description="Dead-lettered before.")] = None,
     redriven: Annotated[
@@ -61,6 +69,7 @@ async def list_dead_letters(
         topic=topic,
         group=group,
         reason=reason,
+        key=key,
         since_ms=to_millis(since) if since is not None else None,
         until_ms=to_millis(until) if until is not None else None,
         redriven=redriven,

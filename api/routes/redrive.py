@@ -73,6 +73,7 @@ async def create_job(
             topic=f.topic,
             group=f.group,
             reason=f.reason or None,
+            key=f.key,
             since_ms=to_millis(f.since) if f.since is not None else None,
             until_ms=to_millis(f.until) if f.until is not None else None,
             redriven=False,

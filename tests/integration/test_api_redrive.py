@@ -286,6 +286,13 @@ async def test_dry_run_explicit_ids_validation_and_idempotency(
     dry = await client.post("/v1/redrive-jobs", json={"filter": {"topic": origin}, "dry_run": True})
     assert dry.status_code == 201
     assert (dry.json()["state"], dry.json()["total"], dry.json()["done"]) == ("done", 4, 0)
+    by_key = await client.post(
+        "/v1/redrive-jobs", json={"filter": {"key": "key-2"}, "dry_run": True}
+    )
+    assert (by_key.json()["total"], by_key.json()["selection"]) == (
+        1,
+        {"filter": {"key": "key-2", "redriven": False}},
+    )
     dry_ids = await client.post("/v1/redrive-jobs", json={"ids": [a[0], a[1]], "dry_run": True})
     assert (dry_ids.json()["total"], dry_ids.json()["skipped"]) == (2, 1)
     assert await read_all(env.bootstrap, origin, 1) == []
@@ -338,7 +345,7 @@ async def test_dry_run_explicit_ids_validation_and_idempotency(
     rest = await client.get(
         "/v1/redrive-jobs", params={"state": "done", "limit": 2, "cursor": listed["next_cursor"]}
     )
-    assert [j["id"] for j in rest.json()["items"]] == [dry.json()["id"]]
+    assert [j["id"] for j in rest.json()["items"]] == [by_key.json()["id"], dry.json()["id"]]
 
 
 async def test_cancel_pending_and_running_jobs(env: ApiEnv, topic_factory: TopicFactory) -> None:

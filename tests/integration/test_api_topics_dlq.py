@@ -152,6 +152,9 @@ async def test_dlq_browse_filters_pagination_and_detail(
     assert await listed(reason="bad json") == [i for n, i in enumerate(ids) if n % 3 == 0][::-1]
     assert await listed(since=iso(T0 + 3000), until=iso(T0 + 6000)) == [ids[5], ids[4], ids[3]]
     assert await listed(redriven="true") == [ids[11]]
+    assert await listed(key="k7") == [ids[7]]
+    assert await listed(key="k7", topic="payments") == []
+    assert await listed(key="k") == []  # the whole key, not a prefix
     assert len(await listed(redriven="false")) == 11
     # Pages of 5, newest first, each row once.
     seen: list[int] = []

@@ -330,6 +330,25 @@ async def test_a_dry_run_shows_what_would_move(env: ApiEnv) -> None:
     assert job_page.status_code == 200, job_page.text
     assert re.search(r'data-testid="job-counts">\s*2', job_page.text)
     assert job_page.text.count("/console/messages/billing/orders/0/") == 2
+    # By record key: the listing and the redrive take the whole key.
+    await insert_dead_letters(
+        env.context, [{"origin_offset": 3, "reason": "boom", "message_key": b"order-42"}]
+    )
+    keyed = (await admin.get("/console/dlq?key=order-42")).text
+    assert keyed.count("/console/messages/billing/orders/0/") == 1
+    assert "/console/messages/billing/orders/0/3" in keyed
+    assert (
+        "/console/messages/billing/orders/0/"
+        not in (await admin.get("/console/dlq?key=order")).text
+    )
+    by_key = await admin.post(
+        "/console/redrive",
+        data={"csrf": csrf_of(page), "key_filter": "order-42", "rate": "50", "dry_run": "on"},
+    )
+    assert by_key.status_code == 303, by_key.text
+    key_job = (await admin.get(by_key.headers["location"])).text
+    assert re.search(r'data-testid="job-counts">\s*1', key_job)
+    assert "key=order-42" in key_job
     bad = await admin.post("/console/redrive", data={"csrf": csrf_of(page), "rate": "-1"})
     assert bad.status_code == 422
     assert 'data-testid="error"' in bad.text

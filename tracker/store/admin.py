@@ -477,6 +477,9 @@ class DeadLetterFilter:
     topic: str | None = None
     group: str | None = None
     reason: str | None = None  #: substring of the reason, case-insensitive
+    #: the record key, exactly (its UTF-8 text; a null key never matches). No index: the
+    #: other conditions bound the scan, newest first, until a page is found.
+    key: str | None = None
     since_ms: int | None = None
     until_ms: int | None = None
     redriven: bool | None = None
@@ -493,6 +496,8 @@ def _dead_letter_where(query: Select[Any], flt: DeadLetterFilter) -> Select[Any]
         query = query.where(d.group_id == flt.group)
     if flt.reason:
         query = query.where(func.lower(d.reason).contains(flt.reason.lower(), autoescape=True))
+    if flt.key is not None:
+        query = query.where(d.message_key == flt.key.encode())
     if flt.since_ms is not None:
         query = query.where(d.dead_lettered_ms >= flt.since_ms)
     if flt.until_ms is not None:

@@ -110,6 +110,13 @@ class OverviewQueries:
                         buckets[int(index)] += int(count)
         return buckets
 
+    async def dead_letter_topics(self) -> list[str]:
+        """The origin topics that have dead letters, by name: a few counter rows (0003)."""
+        dc = dead_letter_counts.c
+        query = select(dc.origin_topic).where(dc.total > 0).order_by(dc.origin_topic)
+        async with self.store.transaction(read_only=True) as conn:
+            return [name for (name,) in await conn.execute(query)]
+
     async def reason_groups(self, *, scan: int = GROUPS_SCAN, top: int = 50) -> list[ReasonGroup]:
         """Dead letters not redriven, grouped by origin topic and reason, largest first, from
         the newest ``scan`` of them."""
