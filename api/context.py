@@ -99,6 +99,7 @@ class BoundedReads:
     thing that succeeded less than ``max_age`` seconds ago is reused. The console's overview
     does so for the tracker's health (the bounds of the markers topic): a room of operators
     and dashboards watching it costs Kafka one read every few seconds, not one per refresh.
+    The result is shared between those callers: they must not change it.
     """
 
     def __init__(self, what: str, timeout: float, *, limit: int = MAX_PENDING_READS) -> None:
@@ -154,7 +155,11 @@ class BoundedReads:
             raise self._timed_out()
         result: T = pending.task.result()
         if max_age > 0:
-            self._recent[key] = (loop.time(), result)
+            now = loop.time()
+            # Kept no longer than a caller accepts: the dict holds only recent answers.
+            for old in [k for k, (at, _) in self._recent.items() if now - at >= max_age]:
+                del self._recent[old]
+            self._recent[key] = (now, result)
         return result
 
     def _timed_out(self) -> ReadTimedOut:

@@ -707,9 +707,10 @@ class DeadLetterFilterBody(BaseModel):
     reason: (
         Annotated[str, text(1000, "Substring of the reason."), AfterValidator(_storable)] | None
     ) = Field(None, description="Substring of the reason, case-insensitive.")
-    key: Annotated[str, text(4096, "The record key."), AfterValidator(_storable)] | None = Field(
-        None, description="The record key, exactly (as UTF-8 text)."
-    )
+    key: (
+        Annotated[str, text(4096, "The record key.", min_length=1), AfterValidator(_storable)]
+        | None
+    ) = Field(None, description="The record key, exactly (as UTF-8 text).")
     # Aware only: a time without a zone is ambiguous, and is refused (422) as GET /v1/dlq does.
     since: AwareDatetime | None = Field(None, description="Dead-lettered at or after.")
     until: AwareDatetime | None = Field(None, description="Dead-lettered before.")

@@ -95,6 +95,10 @@ def _login_redirect(request: Request) -> Response:
     here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     if request.method != "GET":
         here = "/console/"  # a form post cannot be replayed as a GET after logging in
+    elif request.headers.get("hx-request"):
+        # A refresh or a fragment (a message's Kafka part): back to the page that asked.
+        shown = urlsplit(request.headers.get("hx-current-url", ""))
+        here = shown.path + (f"?{shown.query}" if shown.query else "") or "/console/"
     target = f"{LOGIN}?next={quote(safe_next(here), safe='')}"
     if request.headers.get("hx-request"):
         # A background refresh: have htmx load the login page, not swap it into a section.

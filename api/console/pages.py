@@ -20,11 +20,13 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from tracker.clock import from_millis
 from tracker.engine.entries import State
 from tracker.kafka.originals import OriginalsUnavailable
+from tracker.store import StoreUnavailable
 from tracker.store.admin import DeadLetterFilter, EntryFilter, EntryOrder
 from tracker.store.overview import OverviewQueries
 
 from .. import models
 from ..context import ApiContext
+from ..errors import ApiError
 from ..ids import parse_message_id
 from ..models import TEXT_PATTERN, TOPIC_PATTERN, MessageState
 from ..routes import dlq, messages, redrive, topics
@@ -46,6 +48,8 @@ CHART_MINUTES = 60
 #: the overview refreshes every 5 s, and every viewer within this window shares one read.
 HEALTH_MAX_AGE_SECONDS = 3.0
 ACTIONS = ("redeliver", "extend", "ack", "dead_letter")
+#: The filter fields a dry run's "for real" form carries over (see job.html).
+REAL_RUN_FIELDS = frozenset({"topic", "group", "reason", "key", "redriven"})
 
 
 def reader(session: ConsoleSession) -> Principal:
@@ -123,10 +127,11 @@ async def _health(context: ApiContext, overview: OverviewQueries) -> TrackerHeal
     )
     engine = None
     if context.tracker is not None:
-        health = await context.tracker.health()
-        engine = "running" if health.running else "not running"
-        if health.last_error:
-            engine += f" (last error: {health.last_error})"
+        # Not tracker.health(): its store ping waits behind ingest's writes on SQLite.
+        running, last_error = context.tracker.engine_state()
+        engine = "running" if running else "not running"
+        if last_error:
+            engine += f" (last error: {last_error})"
     return TrackerHealth(partitions, counts.get(markers), parked, kafka_error, engine)
 
 
@@ -283,12 +288,27 @@ async def message_records(
     request: Request, context: Context, session: Session, message_id: str
 ) -> Response:
     """The part of a message's page that Kafka serves: its history with the markers found in
-    the markers topic, and its payload (a fragment that replaces the page's ``#kafka``)."""
-    detail = await messages.get_message(
-        message_id=message_id, context=context, _=reader(session), preview_bytes=None
-    )
+    the markers topic, and its payload (a fragment that replaces the page's ``#kafka``).
+
+    Its errors are fragments too: htmx does not swap an error response, which would leave the
+    page saying "Reading ... from Kafka" for ever (the message acked meanwhile: a 404).
+    """
+    try:
+        detail = await messages.get_message(
+            message_id=message_id, context=context, _=reader(session), preview_bytes=None
+        )
+    except ApiError as exc:
+        return render(request, "message_records.html", session, error=exc.detail)
+    except StoreUnavailable as exc:
+        error = f"the database is unavailable: {exc}"
+        return render(request, "message_records.html", session, error=error)
     return render(
-        request, "message_records.html", session, detail=detail, timeline=timeline(detail)
+        request,
+        "message_records.html",
+        session,
+        detail=detail,
+        timeline=timeline(detail),
+        error=None,
     )
 
 
@@ -449,10 +469,10 @@ async def job_page(
         job=job,
         items=items.items,
         would_move=would_move,
-        # The "for real" form carries topic, group and reason: offered only when that is all
-        # the dry run selected (one made through the API with a time window is not).
+        # The "for real" form carries topic, group, reason and key: offered only when that is
+        # all the dry run selected (one made through the API with a time window is not).
         selected=selected
-        if isinstance(selected, dict) and set(selected) <= {"topic", "group", "reason", "redriven"}
+        if isinstance(selected, dict) and set(selected) <= REAL_RUN_FIELDS
         else None,
         token=_form_token(),
     )

@@ -50,6 +50,7 @@ async def list_dead_letters(
     key: Annotated[
         str | None,
         Query(
+            min_length=1,
             max_length=4096,
             pattern=TEXT_PATTERN,
             description="The record key, exactly (as UTF-8 text).",

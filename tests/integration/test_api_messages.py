@@ -274,6 +274,23 @@ async def test_message_detail_with_payload_previews_and_marker_history(
     assert value["truncated"] is False
     assert base64.b64decode(value["data"]) == binary
     assert response.json()["markers"] is None
+    # The database alone: no read from Kafka at all, the rest of the answer the same.
+    kafka = env.context.reads
+
+    async def no_kafka(*_: object, **__: object) -> None:
+        raise AssertionError("read Kafka")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kafka, "fetch", no_kafka)
+        patch.setattr(kafka.history, "run", no_kafka)
+        quiet = await client.get(
+            f"/v1/messages/billing/{topic}/0/{positions[1][1]}",
+            params={"markers": "false", "payload": "false"},
+        )
+    assert quiet.status_code == 200, quiet.text
+    assert (quiet.json()["payload"], quiet.json()["payload_error"]) == (None, None)
+    assert (quiet.json()["markers"], quiet.json()["markers_error"]) == (None, None)
+    assert quiet.json()["entry"] == response.json()["entry"]
     # Text over the cap: cut at a character boundary, flagged.
     response = await client.get(
         f"/v1/messages/billing/{topic}/0/{positions[2][1]}", params={"preview_bytes": 101}

@@ -199,8 +199,24 @@ async def test_a_message_page_answers_from_the_store_and_loads_kafka_after(env: 
     # The inserted entry's copy is not in Kafka: the fragment says what it could not read.
     assert "<h2>Payload</h2>" in fragment.text
     assert 'data-testid="kafka-pending"' not in fragment.text
+    # Gone meanwhile (acked): the fragment says so, as a fragment htmx swaps in (not a 404,
+    # which htmx would not swap, leaving "Reading ... from Kafka" on the page).
     missing = await client.get("/console/message-records/billing/orders/0/99")
-    assert missing.status_code == 404
+    assert missing.status_code == 200
+    assert 'data-testid="kafka-error"' in missing.text
+    assert "no message billing/orders/0/99" in missing.text
+    # A refresh or fragment whose session ran out logs in back to the page, not the fragment.
+    anonymous = await browser(env, None)
+    expired = await anonymous.get(
+        "/console/message-records/billing/orders/0/1",
+        headers={
+            "HX-Request": "true",
+            "HX-Current-URL": "http://testserver/console/messages/billing/orders/0/1",
+        },
+    )
+    assert expired.headers["hx-redirect"] == (
+        "/console/login?next=%2Fconsole%2Fmessages%2Fbilling%2Forders%2F0%2F1"
+    )
 
 
 async def test_actions_need_the_admin_login_and_the_forms_token(env: ApiEnv) -> None:
@@ -349,6 +365,8 @@ async def test_a_dry_run_shows_what_would_move(env: ApiEnv) -> None:
     key_job = (await admin.get(by_key.headers["location"])).text
     assert re.search(r'data-testid="job-counts">\s*1', key_job)
     assert "key=order-42" in key_job
+    # Its "for real" form carries the key: it would move the same one dead letter.
+    assert 'name="key_filter" value="order-42"' in key_job
     bad = await admin.post("/console/redrive", data={"csrf": csrf_of(page), "rate": "-1"})
     assert bad.status_code == 422
     assert 'data-testid="error"' in bad.text

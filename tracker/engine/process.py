@@ -443,16 +443,25 @@ class Tracker:
 
     # -- health ---------------------------------------------------------------------------
 
+    def engine_state(self) -> tuple[bool, str | None]:
+        """Whether the engine runs, and its last error: the part of :meth:`health` that needs
+        no round trip (the console's overview shows it on every refresh)."""
+        # A side task that ended (ingest, redelivery, ...) means this replica no longer does
+        # its job, even if the process is still up.
+        running = (
+            self._running
+            and not self._stopping.is_set()
+            and not any(task.done() for task in self._tasks)
+        )
+        return running, self.ingest.last_error or self.redeliverer.last_error
+
     async def health(self) -> Health:
         store_ok = self.ingest.store_ok and await self._store_answers()
+        running, last_error = self.engine_state()
         return Health(
-            # A side task that ended (ingest, redelivery, ...) means this replica no longer
-            # does its job, even if the process is still up.
-            running=self._running
-            and not self._stopping.is_set()
-            and not any(task.done() for task in self._tasks),
+            running=running,
             store_ok=store_ok,
             broker_ok=self.ingest.broker_answering(),
             owned_partitions=sorted(self.ingest.owned_epochs()),
-            last_error=self.ingest.last_error or self.redeliverer.last_error,
+            last_error=last_error,
         )
