@@ -22,7 +22,7 @@ from tracker.engine.entries import State
 from tracker.kafka.originals import OriginalsUnavailable
 from tracker.store import StoreUnavailable
 from tracker.store.admin import DeadLetterFilter, EntryFilter, EntryOrder
-from tracker.store.overview import OverviewQueries
+from tracker.store.overview import MarkersPartitionState, OverviewQueries
 
 from .. import models
 from ..context import ApiContext
@@ -82,10 +82,9 @@ class TrackerHealth:
     engine: str | None  #: this process's engine, if it runs one
 
 
-async def _health(context: ApiContext, overview: OverviewQueries) -> TrackerHealth:
+async def _health(context: ApiContext, rows: list[MarkersPartitionState]) -> TrackerHealth:
     settings = context.settings
     markers, invalid = settings.markers_topic, settings.invalid_topic
-    rows = await overview.markers_partitions()
     reads = context.reads
     scanner = reads.scanner
 
@@ -140,8 +139,8 @@ async def overview(request: Request, context: Context, session: Session) -> Resp
     now_ms = context.now_ms()
     queries = OverviewQueries(context.store, context.settings.markers_topic)
     listing = await topics.list_topics(context=context, _=reader(session), window_minutes=60)
-    due = await queries.due_now(now_ms)
-    dead_per_minute = await queries.dead_letters_per_minute(now_ms, CHART_MINUTES)
+    figures = await queries.overview(now_ms, CHART_MINUTES)
+    due, dead_per_minute = figures.due, figures.dead_letters_per_minute
     redeliveries_per_minute = context.rates.per_minute(CHART_MINUTES)
     start_s = now_ms // 1000 - CHART_MINUTES * 60
     series = {
@@ -149,7 +148,7 @@ async def overview(request: Request, context: Context, session: Session) -> Resp
         "redeliveries": redeliveries_per_minute,
         "dead_letters": dead_per_minute,
     }
-    health = await _health(context, queries)
+    health = await _health(context, figures.partitions)
     return render(
         request,
         "overview.html",

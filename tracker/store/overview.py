@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.engine.entries import State
 
@@ -57,6 +58,15 @@ class MarkersPartitionState:
     updated_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class Overview:
+    """The store's part of the console's overview (``OverviewQueries.overview``)."""
+
+    due: DueCounts
+    dead_letters_per_minute: list[int]  #: oldest first
+    partitions: list[MarkersPartitionState]
+
+
 class OverviewQueries:
     """Read-only, bounded queries behind the console's summary views."""
 
@@ -64,7 +74,17 @@ class OverviewQueries:
         self.store = store
         self.markers_topic = markers_topic
 
-    async def due_now(self, now_ms: int, *, cap: int = DUE_CAP) -> DueCounts:
+    async def overview(self, now_ms: int, minutes: int = 60) -> Overview:
+        """What is due now, dead letters per minute and the markers partitions, in one read
+        transaction (a page's database work is a few statements, not a few transactions)."""
+        async with self.store.transaction(read_only=True) as conn:
+            return Overview(
+                await self._due_now(conn, now_ms, DUE_CAP),
+                await self._dead_letters_per_minute(conn, now_ms, minutes),
+                await self._markers_partitions(conn),
+            )
+
+    async def _due_now(self, conn: AsyncConnection, now_ms: int, cap: int) -> DueCounts:
         """Entries (and open offsets of tracked ranges) that are due at ``now_ms``."""
         t, r = tracked.c, ranges_table.c
         live = (State.IN_FLIGHT.value, State.DELAYED.value)
@@ -78,37 +98,46 @@ class OverviewQueries:
         counted = select(due.c.origin_topic, func.count()).group_by(due.c.origin_topic)
         ranges = select(r.origin_topic, r.open_bits).where(r.due_at_ms <= now_ms).limit(cap + 1)
         out: dict[str, int] = {}
-        async with self.store.transaction(read_only=True) as conn:
-            for topic, count in await conn.execute(counted):
-                out[topic] = int(count)
-            range_rows = (await conn.execute(ranges)).all()
+        for topic, count in await conn.execute(counted):
+            out[topic] = int(count)
+        range_rows = (await conn.execute(ranges)).all()
         capped = sum(out.values()) > cap or len(range_rows) > cap
         for topic, bits in range_rows[:cap]:
             open_count = int.from_bytes(bits, "little").bit_count()
             out[topic] = out.get(topic, 0) + open_count
         return DueCounts(out, capped)
 
-    async def dead_letters_per_minute(self, now_ms: int, minutes: int = 60) -> list[int]:
+    async def _dead_letters_per_minute(
+        self, conn: AsyncConnection, now_ms: int, minutes: int
+    ) -> list[int]:
         """Dead letters recorded in each of the last ``minutes`` minutes, oldest first."""
         start = now_ms - minutes * 60_000
         d = dead_letters.c
         # Floor division in both dialects (SQLAlchemy renders ``//`` for each).
         minute = ((d.dead_lettered_ms - start) // 60_000).label("minute")
         buckets = [0] * minutes
-        async with self.store.transaction(read_only=True) as conn:
-            topics = (await conn.execute(select(dead_letter_counts.c.origin_topic))).scalars()
-            for topic in list(topics):
-                # One range of ix_dead_letters_topic_time (origin_topic, dead_lettered_ms).
-                counted = (
-                    select(minute, func.count())
-                    .where(d.origin_topic == topic)
-                    .where(d.dead_lettered_ms >= start, d.dead_lettered_ms < now_ms)
-                    .group_by(minute)
-                )
-                for index, count in await conn.execute(counted):
-                    if 0 <= int(index) < minutes:
-                        buckets[int(index)] += int(count)
+        topics = (await conn.execute(select(dead_letter_counts.c.origin_topic))).scalars()
+        for topic in list(topics):
+            # One range of ix_dead_letters_topic_time (origin_topic, dead_lettered_ms).
+            counted = (
+                select(minute, func.count())
+                .where(d.origin_topic == topic)
+                .where(d.dead_lettered_ms >= start, d.dead_lettered_ms < now_ms)
+                .group_by(minute)
+            )
+            for index, count in await conn.execute(counted):
+                if 0 <= int(index) < minutes:
+                    buckets[int(index)] += int(count)
         return buckets
+
+    async def _markers_partitions(self, conn: AsyncConnection) -> list[MarkersPartitionState]:
+        p = partitions_table.c
+        query = (
+            select(p.partition, p.owner, p.epoch, p.next_offset, p.updated_ms)
+            .where(p.markers_topic == self.markers_topic)
+            .order_by(p.partition)
+        )
+        return [MarkersPartitionState(*row) for row in (await conn.execute(query)).all()]
 
     async def dead_letter_topics(self) -> list[str]:
         """The origin topics that have dead letters, by name: a few counter rows (0003)."""
@@ -144,14 +173,3 @@ class OverviewQueries:
         return [
             ReasonGroup(topic, reason, int(count), int(last)) for topic, reason, count, last in rows
         ]
-
-    async def markers_partitions(self) -> list[MarkersPartitionState]:
-        p = partitions_table.c
-        query = (
-            select(p.partition, p.owner, p.epoch, p.next_offset, p.updated_ms)
-            .where(p.markers_topic == self.markers_topic)
-            .order_by(p.partition)
-        )
-        async with self.store.transaction(read_only=True) as conn:
-            rows = (await conn.execute(query)).all()
-        return [MarkersPartitionState(*row) for row in rows]
