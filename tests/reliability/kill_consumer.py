@@ -2,7 +2,8 @@
 
 Usage: python kill_consumer.py BOOTSTRAP TOPIC GROUP MARKERS_TOPIC LEASE_S [batches|pool]
 
-For every batch handed to it, it prints ``BATCH <n>``, works on it for half a second (so that
+For every batch handed to it, it prints ``BATCH <n>`` and ``GOT <origin> <attempt>`` for each
+message (a message read again after a kill is printed again), works on it for half a second (so that
 a kill often finds it holding a batch, with the next one prepared), acks the messages whose
 index (the ``m<i>`` payload) is not a multiple of 10 on their first delivery and every copy,
 prints ``ACKING <origin> <attempt>`` for each, waits until the broker acknowledged the
@@ -12,9 +13,9 @@ broker); the test accounts for that.
 
 ``pool`` runs the same work through ``consumer.run(handler, concurrency=16)``: each handler
 works for 50-300 ms (so a kill finds many in flight, and more waiting in the pool), prints
-``BATCH 1`` on the first call, ``ACKING`` as it returns (the pool acks it then) or raises for a
-dropped one (the pool retries it); a side task flushes every 200 ms and prints ``ACKED`` for
-what was acked before that flush.
+``BATCH 1`` on the first call, ``GOT`` on every call, ``ACKING`` as it returns (the pool acks
+it then) or raises for a dropped one (the pool retries it); a side task flushes every 200 ms
+and prints ``ACKED`` for what was acked before that flush.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ async def main(bootstrap: str, topic: str, group: str, markers: str, lease: floa
     print("JOINED", flush=True)
     async for batch in consumer.batches():
         print(f"BATCH {len(batch)}", flush=True)
+        print("".join(f"GOT {_name(message)}\n" for message in batch), end="", flush=True)
         await asyncio.sleep(0.5)  # the work
         acked = []
         for message in batch:
@@ -73,6 +75,7 @@ async def pool_main(bootstrap: str, topic: str, group: str, markers: str, lease:
         if not working:
             working = True
             print("BATCH 1", flush=True)
+        print(f"GOT {_name(message)}", flush=True)
         await asyncio.sleep(random.uniform(0.05, 0.3))  # the work
         index = int((message.value or b"m0")[1:])
         if message.attempt < 2 and not index % 10:
