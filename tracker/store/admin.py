@@ -446,7 +446,7 @@ def _probes(counts: TopicCounts, since_ms: int) -> list[tuple[TopicCounts, str, 
         )
         probes.append((counts, "oldest_in_flight_first_seen_ms", oldest))
     if counts.delayed:
-        # Walks ix_tracked_state_due (state, due_at_ms) to the topic's first delayed entry:
+        # Walks ix_tracked_state_due_key (state, due_at_ms, ...) to the topic's first delayed entry:
         # cheap however many delayed entries the topic has. ``|| ''`` keeps the planners
         # from choosing the topic index instead, which would read all of them and sort.
         next_due = (

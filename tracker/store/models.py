@@ -65,8 +65,17 @@ class TrackedMessage(Base):
     __table_args__ = (
         # The redelivery loop: "what is due next in my partitions".
         Index("ix_tracked_partition_due", "markers_partition", "due_at_ms"),
-        # The admin API: filter by state, order by due time.
-        Index("ix_tracked_state_due", "state", "due_at_ms"),
+        # The admin API: filter by state, order by due time, then id (0006: equal due times
+        # need no sort); its prefix: what is due now, a topic's next delayed entry.
+        Index(
+            "ix_tracked_state_due_key",
+            "state",
+            "due_at_ms",
+            "group_id",
+            "origin_topic",
+            "origin_partition",
+            "origin_offset",
+        ),
         # Topic statistics: the oldest in-flight message of a topic is one probe (0003).
         Index("ix_tracked_topic_state", "origin_topic", "state", "first_seen_ms"),
         # A topic's messages in id order, and in due order (0005): the admin API's

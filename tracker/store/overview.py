@@ -88,7 +88,8 @@ class OverviewQueries:
         """Entries (and open offsets of tracked ranges) that are due at ``now_ms``."""
         t, r = tracked.c, ranges_table.c
         live = (State.IN_FLIGHT.value, State.DELAYED.value)
-        # ix_tracked_state_due (state, due_at_ms): a range scan of what is due, cut at the cap.
+        # ix_tracked_state_due_key (state, due_at_ms, ...): a range scan of what is due, cut at
+        # the cap.
         due = (
             select(t.origin_topic)
             .where(t.state.in_(live), t.due_at_ms <= now_ms)
