@@ -28,6 +28,7 @@ import multiprocessing
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -293,6 +294,8 @@ class Replica:
     markers: str
     proc: TrackerProcess
     client: httpx.AsyncClient
+    settings: dict[str, Any]  #: the replica's settings (an API-only process takes the same)
+    scratch: Path
 
 
 @contextlib.asynccontextmanager
@@ -319,12 +322,30 @@ async def replica_on_fresh_store(infra: Infra, store_name: str, tag: str) -> Asy
         )
         await proc.start()
         async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
-            yield Replica(store, queue, markers, proc, client)
+            yield Replica(store, queue, markers, proc, client, settings, infra.scratch)
     finally:
         if proc is not None:
             await proc.stop()
         await store.close()
         await delete_topics(bootstrap, [queue, markers])
+
+
+@contextlib.asynccontextmanager
+async def api_alone(replica: Replica, store_name: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The admin API in a process of its own on the replica's store (``kmq-tracker api``, the
+    Helm chart's ``apiDeployment``): requests no longer share the engine's event loop."""
+    proc = TrackerProcess(
+        replica.settings,
+        _free_port(),
+        replica.scratch / f"api-alone-{store_name}.log",
+        api_only=True,
+    )
+    await proc.start()
+    try:
+        async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
+            yield client
+    finally:
+        await proc.stop()
 
 
 async def measure(
@@ -376,10 +397,11 @@ async def run(
                     seeder, replica, size, reps, api_requests, "ingest_us_per_marker"
                 )
                 if size == store_sizes[-1]:
-                    api.data[store_name] = await _api_load(
-                        infra, replica.client, replica.markers, replica.queue, seeder, size,
-                        api_seconds, concurrency, load_rate,
-                    )  # fmt: skip
+                    async with api_alone(replica, store_name) as alone:
+                        api.data[store_name] = await _api_load(
+                            infra, {"engine": replica.client, "alone": alone}, replica.markers,
+                            replica.queue, seeder, size, api_seconds, concurrency, load_rate,
+                        )  # fmt: skip
                     point["rss_after_load_mb"], point["rss_peak_mb"] = replica.proc.rss()
                 series.append(point)
                 print(
@@ -397,7 +419,7 @@ async def run(
 
 async def _api_load(
     infra: Infra,
-    client: httpx.AsyncClient,
+    layouts: dict[str, httpx.AsyncClient],
     markers: str,
     queue: str,
     seeder: Seeder,
@@ -406,10 +428,14 @@ async def _api_load(
     concurrency: int,
     rate: int,
 ) -> dict[str, Any]:
+    """Each endpoint and console page in turn, with every layout: ``engine`` (the API in the
+    tracker replica's process, on its event loop) and ``alone`` (an API-only process); the
+    engine layout's figures are at the top level of the result, the other's under its name."""
     before = await highwaters(infra.bootstrap, markers)
+    client = layouts["engine"]
     listed = (await client.get(f"/v1/messages?limit={MESSAGE_PAGES}")).json()["items"]
     pages = console_pages(queue, [item["id"] for item in listed])
-    total = seconds * (len(ENDPOINTS) + len(pages)) + 4
+    total = seconds * (len(ENDPOINTS) + len(pages)) * len(layouts) + 4
     process = multiprocessing.get_context("spawn").Process(
         target=_paced_load,
         args=(infra.bootstrap, markers, queue, rate, total, seeder.next_message + 10_000_000),
@@ -418,12 +444,14 @@ async def _api_load(
     process.start()
     await asyncio.sleep(2.0)  # the load is flowing and the first flushes have happened
     out: dict[str, Any] = {"size": size, "concurrency": concurrency, "load_rate": rate}
-    for name, path in ENDPOINTS.items():
-        latencies, rps = await load(client, path(queue), concurrency, seconds)
-        out[name] = {**summary_ms(latencies), "rps": rps}
-    for name, page in pages.items():
-        latencies, rps = await load(client, page, concurrency, seconds)
-        out[f"console_{name}"] = {**summary_ms(latencies), "rps": rps}
+    for layout, client in layouts.items():
+        into = out if layout == "engine" else out.setdefault(layout, {})
+        for name, path in ENDPOINTS.items():
+            latencies, rps = await load(client, path(queue), concurrency, seconds)
+            into[name] = {**summary_ms(latencies), "rps": rps}
+        for name, page in pages.items():
+            latencies, rps = await load(client, page, concurrency, seconds)
+            into[f"console_{name}"] = {**summary_ms(latencies), "rps": rps}
     await asyncio.to_thread(process.join, total + 30)
     after = await highwaters(infra.bootstrap, markers)
     out["markers_written"] = sum(after.values()) - sum(before.values())
@@ -478,6 +506,18 @@ def _scale_figures(result: ScenarioResult, store: str, series: list[dict[str, An
 
 
 def _api_figures(result: ScenarioResult, store: str, data: dict[str, Any]) -> None:
+    _layout_figures(result, store, data, data)
+    if "alone" in data:
+        _layout_figures(result, f"{store}, API in its own process,", data["alone"], data)
+    result.add(
+        Figure(f"{store}: markers written during the test", data["markers_per_s"], "markers/s")
+    )
+
+
+def _layout_figures(
+    result: ScenarioResult, store: str, data: dict[str, Any], run: dict[str, Any]
+) -> None:
+    """One layout's figures (``run`` holds what the layouts share: size, clients)."""
     for name in ENDPOINTS:
         d = data[name]
         result.add(Figure(f"{store} {name}: p50 latency", d["p50_ms"], "ms"))
@@ -488,8 +528,7 @@ def _api_figures(result: ScenarioResult, store: str, data: dict[str, Any]) -> No
                 "ms",
                 50,
                 "<=",
-                note=f"{d['rps']:.0f} req/s, {data['concurrency']} clients, "
-                f"{data['size']:,} tracked",
+                note=f"{d['rps']:.0f} req/s, {run['concurrency']} clients, {run['size']:,} tracked",
             )
         )
         result.add(Figure(f"{store} {name}: throughput", d["rps"], "req/s"))
@@ -506,10 +545,7 @@ def _api_figures(result: ScenarioResult, store: str, data: dict[str, Any]) -> No
                 "ms",
                 200,
                 "<=",
-                note=f"{d['rps']:.0f} pages/s, {data['concurrency']} clients, "
-                f"{data['size']:,} tracked, ingest running",
+                note=f"{d['rps']:.0f} pages/s, {run['concurrency']} clients, "
+                f"{run['size']:,} tracked, ingest running",
             )
         )
-    result.add(
-        Figure(f"{store}: markers written during the test", data["markers_per_s"], "markers/s")
-    )

@@ -3,6 +3,10 @@
 ``python -m bench.tracker_proc SETTINGS_JSON PORT``: builds :class:`Tracker` from the JSON
 settings, serves ``api.app.create_app(ApiContext.from_tracker(tracker))`` on ``PORT``, prints
 ``READY`` once the API answers and the tracker owns markers partitions, and runs until SIGTERM.
+
+``python -m bench.tracker_proc SETTINGS_JSON PORT api``: the admin API alone, as
+``kmq-tracker api`` runs it (``api.app.create_standalone_app``: its own store and Kafka
+clients, no engine), next to a replica on the same store; ``READY`` once it answers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,32 @@ from typing import IO, Any
 import httpx
 
 from .common import ROOT, rss_mb
+
+
+async def _api_only(settings_json: str, port: int) -> None:
+    from api.app import create_standalone_app  # noqa: PLC0415
+    from api.server import serve  # noqa: PLC0415
+    from tracker.settings import TrackerSettings  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.ERROR)
+    settings = TrackerSettings(**json.loads(settings_json))
+    stopping = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
+    app = create_standalone_app(settings)
+    server = asyncio.create_task(serve(app, "127.0.0.1", port, stopping))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not server.done():
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get("/healthz")).status_code == 200:
+                        break
+                await asyncio.sleep(0.1)
+        print("READY", flush=True)
+        await stopping.wait()
+    finally:
+        stopping.set()
+        await server
 
 
 async def _main(settings_json: str, port: int) -> None:
@@ -62,8 +92,11 @@ async def _main(settings_json: str, port: int) -> None:
 class TrackerProcess:
     """Start/stop the subprocess; its RSS from /proc."""
 
-    def __init__(self, settings: dict[str, Any], port: int, log: Path) -> None:
+    def __init__(
+        self, settings: dict[str, Any], port: int, log: Path, *, api_only: bool = False
+    ) -> None:
         self._settings = settings
+        self._api_only = api_only
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self._log_path = log
@@ -84,6 +117,7 @@ class TrackerProcess:
                 "bench.tracker_proc",
                 json.dumps(self._settings, default=str),
                 str(self.port),
+                *(["api"] if self._api_only else []),
             ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -117,4 +151,5 @@ class TrackerProcess:
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(sys.argv[1], int(sys.argv[2])))
+    main = _api_only if sys.argv[3:] == ["api"] else _main
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
