@@ -328,6 +328,75 @@ def test_postgres_deployment_with_hpa_pdb_servicemonitor_networkpolicy(
     assert settings.policy_for("other").max_attempts == 5
 
 
+def test_postgres_api_deployment_runs_the_api_apart_from_the_tracker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """apiDeployment: `kmq-tracker api` pods behind a Service of their own; neither workload's
+    selector (nor Service, nor PodDisruptionBudget) takes the other's pods; the NetworkPolicy
+    and the ServiceMonitors cover both."""
+    rendered = render(
+        {
+            **POSTGRES_HA,
+            "apiDeployment": {
+                "enabled": True,
+                "replicaCount": 3,
+                "resources": {"requests": {"cpu": "250m", "memory": "200Mi"}},
+            },
+        }
+    )
+    validate_all(rendered)
+    tracker = rendered.one("Deployment", FULLNAME)
+    api = rendered.one("Deployment", f"{FULLNAME}-api")
+    tracker_labels, api_labels = spec_labels(tracker), spec_labels(api)
+    assert not selects(tracker["spec"]["selector"]["matchLabels"], api_labels)
+    assert not selects(api["spec"]["selector"]["matchLabels"], tracker_labels)
+    assert api["spec"]["replicas"] == 3
+    assert api["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    spec = pod_spec(api)
+    check_pod(spec)
+    assert "initContainers" not in spec  # the hook Job migrates
+    c = container(spec, "kmq-api")
+    assert c["args"] == ["api"]
+    assert c["resources"] == {  # its own, merged over the chart's defaults
+        "requests": {"cpu": "250m", "memory": "200Mi"},
+        "limits": {"memory": "384Mi"},
+    }
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kmq-http"}
+    check_security_context(c)
+    ref = env_of(c)["KMQ_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"]) == (FULLNAME, "database-url")
+    settings = load_tracker_settings(
+        rendered, c, FULLNAME, tmp_path=tmp_path, monkeypatch=monkeypatch
+    )
+    assert settings.database_url == PG_URL
+    # The tracker pods are unchanged.
+    check_tracker_container(container(pod_spec(tracker), "kmq-tracker"))
+
+    service = rendered.one("Service", FULLNAME)
+    api_service = rendered.one("Service", f"{FULLNAME}-api")
+    assert selects(api_service["spec"]["selector"], api_labels)
+    assert not selects(api_service["spec"]["selector"], tracker_labels)
+    assert not selects(service["spec"]["selector"], api_labels)
+    pdb = rendered.one("PodDisruptionBudget")
+    assert not selects(pdb["spec"]["selector"]["matchLabels"], api_labels)
+
+    policy = rendered.one("NetworkPolicy")["spec"]["podSelector"]
+    [components] = policy["matchExpressions"]
+    for labels in (tracker_labels, api_labels):
+        assert selects(policy["matchLabels"], labels)
+        assert labels[components["key"]] in components["values"]
+
+    monitors = {m["metadata"]["name"]: m for m in rendered.of_kind("ServiceMonitor")}
+    assert set(monitors) == {FULLNAME, f"{FULLNAME}-api"}
+    for name, target in ((FULLNAME, service), (f"{FULLNAME}-api", api_service)):
+        matched = monitors[name]["spec"]["selector"]["matchLabels"]
+        assert selects(matched, target["metadata"]["labels"])
+    assert not selects(
+        monitors[FULLNAME]["spec"]["selector"]["matchLabels"], api_service["metadata"]["labels"]
+    )
+    assert f"svc/{FULLNAME}-api" in rendered.notes()
+
+
 def test_postgres_without_autoscaling_and_with_init_container_migration() -> None:
     rendered = render(
         {
@@ -530,6 +599,11 @@ def test_sidecar_mode_standalone_renders_no_workload() -> None:
         ({"database": {"type": "postgres"}}, "/database/url"),
         ({"database": {"type": "postgres", "url": "postgres://x/y"}}, "/database/url"),
         ({"autoscaling": {"enabled": True}}, "/autoscaling/enabled"),  # SQLite
+        ({"apiDeployment": {"enabled": True}}, "/apiDeployment/enabled"),  # SQLite
+        (
+            {"database": {"type": "postgres", "url": PG_URL}, "apiDeployment": {"replicaCount": 0}},
+            "/apiDeployment/replicaCount",
+        ),
         ({"replicas": 2}, "additional properties 'replicas'"),
         ({"image": {"repository": "kmq", "pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
         ({"image": {"repository": "kmq", "pullPolicy": "Always", "digest": "v1"}}, "/digest"),

@@ -33,6 +33,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: tracker
 {{- end -}}
 
+{{/* The API Deployment's pods (apiDeployment): not the tracker's selector, not the tracker's Service. */}}
+{{- define "kmq-tracker.apiSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kmq-tracker.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: api
+{{- end -}}
+
 {{- define "kmq-tracker.labels" -}}
 helm.sh/chart: {{ include "kmq-tracker.chart" . }}
 app.kubernetes.io/name: {{ include "kmq-tracker.name" . }}
@@ -265,15 +272,17 @@ failureThreshold: {{ .probe.failureThreshold }}
 
 {{/*
 The tracker container. Parameters: (dict "ctx" <chart context> "resources" <resources>
-"native" <bool: a native sidecar, restartPolicy Always>).
+"native" <bool: a native sidecar, restartPolicy Always> "command" <"run" (the default) or
+"api": the admin API alone>).
 */}}
 {{- define "kmq-tracker.container" -}}
 {{- $ctx := .ctx -}}
+{{- $command := default "run" .command -}}
 {{- with $ctx -}}
-name: kmq-tracker
+name: {{ ternary "kmq-api" "kmq-tracker" (eq $command "api") }}
 image: {{ include "kmq-tracker.image" . | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
-args: ["run"]
+args: [{{ $command | quote }}]
 {{- if $.native }}
 restartPolicy: Always
 {{- end }}
@@ -340,8 +349,20 @@ checksum/secret: {{ include "kmq-tracker.secretData" . | sha256sum }}
 {{- end }}
 {{- end -}}
 
-{{/* The pod spec of the tracker's own workload (Deployment or StatefulSet). */}}
+{{/*
+The pod spec of the tracker's own workloads: the tracker (Deployment or StatefulSet; called
+with the chart context) or the API Deployment (called with (dict "ctx" <chart context>
+"command" "api")).
+*/}}
 {{- define "kmq-tracker.podSpec" -}}
+{{- $command := "run" -}}
+{{- $ctx := . -}}
+{{- if hasKey . "ctx" -}}
+{{- $command = .command -}}
+{{- $ctx = .ctx -}}
+{{- end -}}
+{{- with $ctx -}}
+{{- $resources := ternary .Values.apiDeployment.resources .Values.resources (eq $command "api") -}}
 serviceAccountName: {{ include "kmq-tracker.serviceAccountName" . }}
 automountServiceAccountToken: {{ .Values.serviceAccount.automountServiceAccountToken }}
 enableServiceLinks: false
@@ -360,7 +381,7 @@ initContainers:
   - {{ include "kmq-tracker.migrateContainer" . | indent 4 | trim }}
 {{- end }}
 containers:
-  - {{ include "kmq-tracker.container" (dict "ctx" . "resources" .Values.resources) | indent 4 | trim }}
+  - {{ include "kmq-tracker.container" (dict "ctx" . "resources" $resources "command" $command) | indent 4 | trim }}
 volumes:
   {{- include "kmq-tracker.volumes" . | nindent 2 }}
 {{- with .Values.nodeSelector }}
@@ -378,6 +399,7 @@ tolerations:
 {{- with .Values.topologySpreadConstraints }}
 topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
