@@ -146,11 +146,16 @@ async def find_postgres_server(url: str | None = None) -> PostgresServer:
     )
 
 
-async def create_database(server: PostgresServer, prefix: str = DATABASE_PREFIX) -> str:
-    """Create an empty database named ``<prefix>_<random hex>`` and return its name."""
+async def create_database(
+    server: PostgresServer, prefix: str = DATABASE_PREFIX, options: str = ""
+) -> str:
+    """Create an empty database named ``<prefix>_<random hex>`` and return its name.
+
+    ``options`` follow the name in ``CREATE DATABASE`` (e.g. another collation).
+    """
     name = f"{prefix}_{secrets.token_hex(6)}"
     async with server.admin_connection() as connection:
-        await connection.execute(text(f"CREATE DATABASE {_quote_ident(name)}"))
+        await connection.execute(text(f"CREATE DATABASE {_quote_ident(name)} {options}"))
     return name
 
 
@@ -176,9 +181,12 @@ class PostgresTestDatabase:
     a session-scoped fixture regardless of which event loop the tests use.
     """
 
-    def __init__(self, server_url: str | None = None, *, prefix: str = DATABASE_PREFIX) -> None:
+    def __init__(
+        self, server_url: str | None = None, *, prefix: str = DATABASE_PREFIX, options: str = ""
+    ) -> None:
         self._server_url = server_url
         self._prefix = prefix
+        self._options = options
         self.server: PostgresServer | None = None
         self.name: str | None = None
 
@@ -194,7 +202,7 @@ class PostgresTestDatabase:
 
         async def create() -> tuple[PostgresServer, str]:
             server = await find_postgres_server(self._server_url)
-            return server, await create_database(server, self._prefix)
+            return server, await create_database(server, self._prefix, self._options)
 
         self.server, self.name = _run_sync(create)
         return self.url

@@ -21,6 +21,7 @@ from typing import Any
 import asyncpg
 from sqlalchemy import (
     ColumnElement,
+    String,
     Table,
     and_,
     bindparam,
@@ -38,6 +39,7 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert, Update
+from sqlalchemy.types import TypeEngine
 
 from .errors import StoreUnavailable
 
@@ -262,6 +264,15 @@ def _copy_insert_sql(
     )
 
 
+def _array_element_type(column_type: TypeEngine[Any], dialect: Dialect) -> str:
+    """The column's type for an array cast, without its collation (``VARCHAR COLLATE "C"[]``
+    is no type; stored values take the column's collation anyway)."""
+    impl = column_type.dialect_impl(dialect)
+    if isinstance(impl, String) and impl.collation is not None:
+        impl = String(impl.length)
+    return impl.compile(dialect=dialect)
+
+
 @functools.lru_cache(maxsize=16)
 def _unnest_upsert_sql(
     dialect: Dialect, table: Table, columns: tuple[str, ...], update: tuple[str, ...]
@@ -274,7 +285,7 @@ def _unnest_upsert_sql(
     quote = dialect.identifier_preparer.quote
     keys = ", ".join(quote(c.name) for c in table.primary_key.columns)
     arrays = ", ".join(
-        f"${i}::{table.c[c].type.compile(dialect=dialect)}[]" for i, c in enumerate(columns, 1)
+        f"${i}::{_array_element_type(table.c[c].type, dialect)}[]" for i, c in enumerate(columns, 1)
     )
     updates = ", ".join(f"{quote(c)} = EXCLUDED.{quote(c)}" for c in update)
     return (

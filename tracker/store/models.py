@@ -24,6 +24,17 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 BigIntId = BigInteger().with_variant(Integer(), "sqlite")
 
 
+def key_text(length: int) -> String:
+    """Text in a message's key (group, topic): ordered as bytes on PostgreSQL too (0007).
+
+    The admin listings merge entry rows and the offsets of tracked ranges in Python, and page
+    on with a keyset condition in SQL: the two must agree on the order. Python, SQLite and
+    PostgreSQL's "C" collation order UTF-8 text by code point; a database created with another
+    collation (en_US, ICU) would not, and pages would skip or repeat messages.
+    """
+    return String(length).with_variant(String(length, collation="C"), "postgresql")
+
+
 class Base(DeclarativeBase):
     pass
 
@@ -33,8 +44,8 @@ class TrackedMessage(Base):
 
     __tablename__ = "tracked_messages"
 
-    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)
-    origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    group_id: Mapped[str] = mapped_column(key_text(255), primary_key=True)
+    origin_topic: Mapped[str] = mapped_column(key_text(249), primary_key=True)
     origin_partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     origin_offset: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     markers_partition: Mapped[int] = mapped_column(Integer, nullable=False)
@@ -107,8 +118,8 @@ class TrackedRangeRow(Base):
 
     __tablename__ = "tracked_ranges"
 
-    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)
-    origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    group_id: Mapped[str] = mapped_column(key_text(255), primary_key=True)
+    origin_topic: Mapped[str] = mapped_column(key_text(249), primary_key=True)
     origin_partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     first_offset: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     last_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
