@@ -19,12 +19,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
 from .common import ROOT, rss_mb
+
+
+async def _ready(port: int, waiting: Callable[[], bool], within: float = 60) -> None:
+    """Until ``/healthz`` answers 200 and ``waiting()`` is false (or ``within`` seconds)."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get("/healthz")).status_code == 200 and not waiting():
+                    return
+            await asyncio.sleep(0.1)
 
 
 async def _api_only(settings_json: str, port: int) -> None:
@@ -39,13 +51,7 @@ async def _api_only(settings_json: str, port: int) -> None:
     app = create_standalone_app(settings)
     server = asyncio.create_task(serve(app, "127.0.0.1", port, stopping))
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not server.done():
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/healthz")).status_code == 200:
-                        break
-                await asyncio.sleep(0.1)
+        await _ready(port, lambda: False)
         print("READY", flush=True)
         await stopping.wait()
     finally:
@@ -70,15 +76,7 @@ async def _main(settings_json: str, port: int) -> None:
     context = ApiContext.from_tracker(tracker)
     server = asyncio.create_task(serve(create_app(context), "127.0.0.1", port, stopping))
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get("/healthz")).status_code == 200 and (
-                        tracker.ingest.owned_epochs()
-                    ):
-                        break
-                await asyncio.sleep(0.1)
+        await _ready(port, lambda: not tracker.ingest.owned_epochs())
         print("READY", flush=True)
         await stopping.wait()
     finally:
