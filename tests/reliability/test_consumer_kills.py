@@ -11,7 +11,8 @@ queue topic (originals and copies) and the consumers' output:
     SETTLE may have reached the broker) and no copy of a later attempt came;
 (b) nothing acked-then-redelivered: no copy with attempt n+1 produced after attempt n of its
     origin was confirmed acked, unless that very record was handed to a later incarnation
-    again (its offset commit had not landed) and that delivery was never acked;
+    again between the ack and the copy (its offset commit had not landed) and that delivery
+    was never acked;
 (c) the dropped messages (index multiple of 10) all came back as copies.
 
 ``make soak`` runs it with ``KMQ_SOAK=1``: 50 kills and 3,000 messages.
@@ -219,10 +220,12 @@ async def test_consumers_killed_mid_batch_lose_nothing(
     # process died before the offset commit that follows the hand-over, so the partition's next
     # owner read the same record again, STARTed it (a new delivery) and was killed before it
     # acked; the copy is that delivery's (docs/reliability.md, "When duplicates happen").
+    # The re-read must fall between the ack and the copy: one after the copy cannot explain it.
     def reread_unsettled(item: tuple[MessageId, int]) -> bool:
+        copied = copied_ms[(item[0], item[1] + 1)]
         return any(
             item not in incarnation.acked
-            and any(at > confirmed_ms[item] for at in incarnation.got_ms.get(item, ()))
+            and any(confirmed_ms[item] < at <= copied for at in incarnation.got_ms.get(item, ()))
             for incarnation in incarnations
         )
 
