@@ -11,9 +11,9 @@ disagree, and a page skips or repeats the messages of some topics
 "C" now: one order everywhere. For identifiers that is also the natural order.
 
 PostgreSQL only (SQLite's default collation is already byte order). Changing the collation of
-a ``varchar`` does not rewrite the table, but the indexes on these columns are rebuilt: a few
-seconds per million tracked entries, writes waiting meanwhile. Upgrade while ingest is quiet
-(docs/operations.md).
+a ``varchar`` does not rewrite the table, but the indexes on these columns are rebuilt under an
+exclusive lock: a few seconds per million tracked entries, reads and writes waiting
+meanwhile. Upgrade while the tracker is stopped or quiet (docs/operations.md).
 
 Revision ID: 0007
 Revises: 0006
@@ -36,7 +36,7 @@ COLUMNS = {
 }
 
 
-def _collate(collation: str | None) -> None:
+def _collate(collation: str) -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     for table, columns in COLUMNS.items():
