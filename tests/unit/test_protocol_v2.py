@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.marker_strategies import range_markers
 
 from tracker.errors import MarkerError
 from tracker.ids import MessageId
@@ -31,7 +32,6 @@ from tracker.protocol_v2 import (
     FLAG_EXCEPTIONS_BITMAP,
     FLAG_EXCEPTIONS_RUNS,
     MAX_RANGE_WIDTH,
-    RangeKind,
     RangeMarker,
     bits_from_runs,
     encode_range_marker,
@@ -42,36 +42,6 @@ pytestmark = pytest.mark.unit
 
 Decoder = Callable[[Any], AnyMarker]
 DECODERS = pytest.mark.parametrize("decode", [decode_marker, py_decode_any], ids=["used", "python"])
-
-
-@st.composite
-def range_markers(draw: st.DrawFn) -> RangeMarker:
-    kind = draw(st.sampled_from(RangeKind))
-    first = draw(st.integers(0, 2**63 - 1 - MAX_RANGE_WIDTH))
-    width = draw(st.one_of(st.integers(1, 64), st.integers(1, MAX_RANGE_WIDTH)))
-    full = (1 << width) - 1
-    exceptions = draw(st.one_of(st.just(0), st.integers(0, full - 1)))
-    timeout = 0
-    if kind is RangeKind.RANGE_START:
-        timeout = draw(st.integers(0, 2**32 - 1))
-    elif kind is RangeKind.RANGE_EXTEND:
-        timeout = draw(st.integers(1, 2**32 - 1))
-    consumer = draw(st.text(max_size=20)) if kind is RangeKind.RANGE_START else ""
-    return RangeMarker(
-        kind,
-        draw(st.text(min_size=1, max_size=20)),
-        draw(
-            st.from_regex(r"[a-zA-Z0-9._-]{1,40}", fullmatch=True).filter(
-                lambda t: t not in (".", "..")
-            )
-        ),
-        draw(st.integers(0, 2**31 - 1)),
-        first,
-        first + width - 1,
-        exceptions,
-        timeout,
-        consumer,
-    )
 
 
 def _outcome(decode: Decoder, value: bytes) -> AnyMarker | str:
