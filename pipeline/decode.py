@@ -12,8 +12,11 @@ where it is built), never re-implemented here. A value the protocol refuses is *
 with its position, its timestamp and the :class:`~tracker.errors.MarkerError` text in
 ``error``: the ledger skips such rows, but an operator can still find every bad record.
 
-Columns are built from Python lists in one pass each (``zip(*markers)`` transposes the decoded
-named tuples in C), because this is the per-record hot path of every job.
+This is the per-record hot path of every job, so markers become columns without a Python
+object per row: the C decoder's ``marker_columns`` writes Arrow buffers for a whole batch
+(range markers expanded there, one row per covered offset), and Arrow's own kernels lay the
+record positions and timestamps alongside. Without the C decoder the same columns are built
+from Python lists (``zip(*markers)`` transposes the decoded named tuples).
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from typing import TYPE_CHECKING, Any
 from tracker import headers as h
 from tracker.errors import InvalidHeader
 from tracker.ids import MessageId
-from tracker.protocol import MarkerKind, RangeMarker, decode_batch, expand_range
+from tracker.protocol import (
+    DecodedBatch,
+    MarkerKind,
+    RangeMarker,
+    c_marker_columns,
+    decode_batch,
+    expand_range,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
@@ -177,9 +187,137 @@ def markers_batch(
     values: Sequence[bytes | None],
     schema: pa.Schema,
 ) -> pa.RecordBatch:
-    """Decode marker values with their positions into a batch of ``schema`` (MARKERS_DDL)."""
-    size = len(values)
+    """Decode marker values with their positions into a batch of ``schema`` (MARKERS_DDL).
+
+    A range marker is one row per covered offset, as the v1 markers it stands for (same
+    record position and timestamp): the ledger cannot tell the versions apart.
+    """
     decoded = decode_batch(values)
+    if c_marker_columns is not None:
+        columns = c_marker_columns(decoded.markers)
+        return _c_markers_batch(columns, decoded, partitions, offsets, timestamps_ms, schema=schema)
+    return _py_markers_batch(decoded, partitions, offsets, timestamps_ms, schema=schema)
+
+
+def _kind_names() -> pa.Array:
+    import pyarrow as pa  # noqa: PLC0415
+
+    names: list[str | None] = [None] * (max(MarkerKind) + 1)
+    for kind in MarkerKind:
+        names[kind] = kind.name
+    return pa.array(names, pa.string())
+
+
+def _c_markers_batch(
+    columns: tuple[Any, ...],
+    decoded: DecodedBatch,
+    partitions: int | Sequence[int],
+    offsets: Sequence[int],
+    timestamps_ms: Sequence[int],
+    *,
+    schema: pa.Schema,
+) -> pa.RecordBatch:
+    """The batch from the buffers of ``marker_columns`` (see tracker/_speedups.c)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    (rows, index, valid, kind, *fixed_and_text) = columns
+    fixed, text = fixed_and_text[:9], fixed_and_text[9:]
+    validity = pa.py_buffer(valid)
+    fixed_types = (
+        pa.int32(),  # partition
+        pa.int64(),  # offset
+        pa.int32(),  # attempt
+        pa.int32(),  # origin_partition
+        pa.int64(),  # origin_offset
+        pa.int64(),  # timeout_ms
+        pa.int64(),  # delay_ms
+        pa.uint8(),  # policy_delay
+        pa.uint8(),  # deferred
+    )
+    ints = [
+        pa.Array.from_buffers(t, rows, [validity, pa.py_buffer(b)])
+        for t, b in zip(fixed_types, fixed, strict=True)
+    ]
+    texts = [
+        pa.Array.from_buffers(
+            pa.string(), rows, [validity, pa.py_buffer(text[i]), pa.py_buffer(text[i + 1])]
+        )
+        for i in range(0, len(text), 2)
+    ]
+    kinds = _kind_names().take(
+        pa.Array.from_buffers(pa.int8(), rows, [validity, pa.py_buffer(kind)])
+    )
+    size = len(decoded.markers)
+    positions = (
+        pa.repeat(pa.scalar(partitions, pa.int32()), size)
+        if isinstance(partitions, int)
+        else pa.array(partitions, pa.int32())
+    )
+    record_offsets = pa.array(offsets, pa.int64())
+    stamps = _timestamps(timestamps_ms)
+    errors = None
+    if decoded.errors:
+        why: list[str | None] = [None] * size
+        for i, text_ in decoded.errors:
+            why[i] = text_
+        errors = pa.array(why, pa.string())
+    if rows != size:  # some range markers stood for several rows each
+        taken = pa.Array.from_buffers(pa.int32(), rows, [None, pa.py_buffer(index)])
+        positions, record_offsets, stamps = (
+            positions.take(taken),
+            record_offsets.take(taken),
+            stamps.take(taken),
+        )
+        if errors is not None:
+            errors = errors.take(taken)
+    (
+        partition,
+        offset,
+        attempt,
+        origin_partition,
+        origin_offset,
+        timeout,
+        delay,
+        policy,
+        deferred,
+    ) = ints
+    group, topic, origin_topic, consumer, reason = texts
+    return _batch(
+        {
+            "markers_partition": positions,
+            "markers_offset": record_offsets,
+            "timestamp": stamps,
+            "kind": kinds,
+            "group": group,
+            "topic": topic,
+            "partition": partition,
+            "offset": offset,
+            "attempt": attempt,
+            "origin_topic": origin_topic,
+            "origin_partition": origin_partition,
+            "origin_offset": origin_offset,
+            "timeout_ms": timeout,
+            "delay_ms": delay,
+            "policy_delay": policy.cast(pa.bool_()),
+            "deferred": deferred.cast(pa.bool_()),
+            "consumer": consumer,
+            "reason": reason,
+            "error": errors if errors is not None else pa.nulls(rows, pa.string()),
+        },
+        schema,
+    )
+
+
+def _py_markers_batch(
+    decoded: DecodedBatch,
+    partitions: int | Sequence[int],
+    offsets: Sequence[int],
+    timestamps_ms: Sequence[int],
+    *,
+    schema: pa.Schema,
+) -> pa.RecordBatch:
+    """The same batch from Python lists (no C decoder)."""
+    size = len(decoded.markers)
     markers: Iterable[Any] = decoded.markers
     errors: list[str | None] = [None] * size
     if decoded.errors:
@@ -189,8 +327,6 @@ def markers_batch(
     if isinstance(partitions, int):
         partitions = [partitions] * size
     if any(type(m) is RangeMarker for m in decoded.markers):
-        # A range marker is one row per covered offset, as the v1 markers it stands for
-        # (same record position and timestamp): the ledger cannot tell the versions apart.
         markers, partitions, offsets, timestamps_ms, errors = _expand_ranges(
             list(markers), partitions, offsets, timestamps_ms, errors
         )

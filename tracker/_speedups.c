@@ -515,6 +515,268 @@ failed:
     return NULL;
 }
 
+/* ---------------------------------------------------------------------------------------
+ * marker_columns(markers) -> the decoded markers as column buffers, one row per message.
+ *
+ * `markers` is what decode_many returned: Marker and RangeMarker tuples, None for a refused
+ * value. A RangeMarker becomes one row per covered offset, as tracker.protocol.expand_range
+ * makes it (a START / ACK / EXTEND of attempt 1 with the range's lease and consumer), so a
+ * reader that works per message (the Spark ledger) sees v1 and v2 traffic alike; None stays
+ * one row with every field null. The buffers are laid out as Arrow wants them (little-endian
+ * values, LSB-first validity bits, int32 string offsets), so pipeline/decode.py wraps them in
+ * Arrow arrays without a Python object per row. Returned tuple:
+ *   (rows, index, validity, kind, partition, offset, attempt, origin_partition,
+ *    origin_offset, timeout_ms, delay_ms, policy_delay, deferred,
+ *    group, topic, origin_topic, consumer, reason)
+ * where index (int32) is the position in `markers` each row came from, kind is int8 (the
+ * MarkerKind value, 0 when null), booleans are one byte each, and every string column is an
+ * (offsets, data) pair of bytes. */
+
+typedef struct {
+    char *offsets; /* int32[rows + 1] */
+    char *data;
+    Py_ssize_t used;
+} strcol_t;
+
+#define N_STR_COLS 5 /* group, topic, origin_topic, consumer, reason */
+
+static int utf8_of(PyObject *text, const char **out, Py_ssize_t *len) {
+    if (!PyUnicode_Check(text)) {
+        PyErr_SetString(PyExc_TypeError, "marker_columns: a text field is not a str");
+        return -1;
+    }
+    *out = PyUnicode_AsUTF8AndSize(text, len);
+    return *out == NULL ? -1 : 0;
+}
+
+static int64_t as_int64(PyObject *value, int *bad) {
+    int64_t out = (int64_t)PyLong_AsLongLong(value);
+    if (out == -1 && PyErr_Occurred()) *bad = 1;
+    return out;
+}
+
+/* The covered offsets of a range as a little-endian bitmap of `width` bits (new memory). */
+static unsigned char *range_covered(PyObject *marker, uint64_t width) {
+    size_t nbytes = (size_t)((width + 7) / 8);
+    unsigned char *bits = (unsigned char *)PyMem_Malloc(nbytes ? nbytes : 1);
+    if (bits == NULL) { PyErr_NoMemory(); return NULL; }
+    PyObject *exceptions = PyTuple_GET_ITEM(marker, 6);
+    if (!PyLong_Check(exceptions) || _PyLong_Sign(exceptions) < 0 ||
+        _PyLong_NumBits(exceptions) > width) {
+        PyMem_Free(bits);
+        PyErr_SetString(PyExc_ValueError, "marker_columns: exceptions outside the range");
+        return NULL;
+    }
+#if PY_VERSION_HEX >= 0x030D0000
+    if (_PyLong_AsByteArray((PyLongObject *)exceptions, bits, nbytes, 1, 0, 1) < 0) {
+#else
+    if (_PyLong_AsByteArray((PyLongObject *)exceptions, bits, nbytes, 1, 0) < 0) {
+#endif
+        PyMem_Free(bits);
+        return NULL;
+    }
+    for (size_t i = 0; i < nbytes; i++) bits[i] = (unsigned char)~bits[i];
+    unsigned tail = (unsigned)(width % 8);
+    if (tail) bits[nbytes - 1] &= (unsigned char)((1u << tail) - 1);
+    return bits;
+}
+
+static PyObject *marker_columns(PyObject *module, PyObject *arg) {
+    (void)module;
+    if (marker_type == NULL || range_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_speedups.configure() was not called");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(arg, "marker_columns() needs a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *result = NULL;
+    PyObject *bufs[13 + 2 * N_STR_COLS] = {NULL};
+    strcol_t str[N_STR_COLS];
+    memset(str, 0, sizeof str);
+
+    /* Pass 1: how many rows and how many bytes of text. */
+    Py_ssize_t rows = 0;
+    Py_ssize_t text[N_STR_COLS] = {0};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = items[i];
+        const char *p;
+        Py_ssize_t len;
+        if (m == Py_None) { rows++; continue; }
+        if (Py_TYPE(m) == range_type) {
+            uint64_t first = (uint64_t)PyLong_AsLongLong(PyTuple_GET_ITEM(m, 4));
+            uint64_t last = (uint64_t)PyLong_AsLongLong(PyTuple_GET_ITEM(m, 5));
+            if (PyErr_Occurred()) goto done;
+            if (last < first || last - first >= MAX_RANGE_WIDTH) {
+                PyErr_SetString(PyExc_ValueError, "marker_columns: a range of a bad width");
+                goto done;
+            }
+            uint64_t width = last - first + 1;
+            unsigned char *covered = range_covered(m, width);
+            if (covered == NULL) goto done;
+            Py_ssize_t count = 0;
+            for (uint64_t b = 0; b < (width + 7) / 8; b++) count += __builtin_popcount(covered[b]);
+            PyMem_Free(covered);
+            rows += count;
+            if (utf8_of(PyTuple_GET_ITEM(m, 1), &p, &len) < 0) goto done;
+            text[0] += len * count;
+            if (utf8_of(PyTuple_GET_ITEM(m, 2), &p, &len) < 0) goto done;
+            text[1] += len * count;
+            text[2] += len * count;
+            if (utf8_of(PyTuple_GET_ITEM(m, 8), &p, &len) < 0) goto done;
+            text[3] += len * count;
+            continue;
+        }
+        if (Py_TYPE(m) != marker_type) {
+            PyErr_SetString(PyExc_TypeError, "marker_columns: not a Marker, RangeMarker or None");
+            goto done;
+        }
+        rows++;
+        static const int fields[N_STR_COLS] = {1, 2, 6, 12, 13};
+        for (int c = 0; c < N_STR_COLS; c++) {
+            if (utf8_of(PyTuple_GET_ITEM(m, fields[c]), &p, &len) < 0) goto done;
+            text[c] += len;
+        }
+    }
+    if (rows >= INT32_MAX || n >= INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "marker_columns: too many rows for one batch");
+        goto done;
+    }
+    for (int c = 0; c < N_STR_COLS; c++) {
+        if (text[c] >= INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "marker_columns: too much text for one batch");
+            goto done;
+        }
+    }
+
+    /* Pass 2: fill. */
+    static const Py_ssize_t widths[13] = {0, 4, 0, 1, 4, 8, 4, 4, 8, 8, 8, 1, 1};
+    Py_ssize_t vbytes = (rows + 7) / 8;
+    for (int b = 1; b < 13; b++) {
+        bufs[b] = PyBytes_FromStringAndSize(NULL, b == 2 ? (vbytes ? vbytes : 1) : widths[b] * rows);
+        if (bufs[b] == NULL) goto done;
+    }
+    for (int c = 0; c < N_STR_COLS; c++) {
+        bufs[13 + 2 * c] = PyBytes_FromStringAndSize(NULL, 4 * (rows + 1));
+        bufs[14 + 2 * c] = PyBytes_FromStringAndSize(NULL, text[c]);
+        if (bufs[13 + 2 * c] == NULL || bufs[14 + 2 * c] == NULL) goto done;
+        str[c].offsets = PyBytes_AS_STRING(bufs[13 + 2 * c]);
+        str[c].data = PyBytes_AS_STRING(bufs[14 + 2 * c]);
+        memset(str[c].offsets, 0, 4);
+    }
+    int32_t *index = (int32_t *)PyBytes_AS_STRING(bufs[1]);
+    unsigned char *valid = (unsigned char *)PyBytes_AS_STRING(bufs[2]);
+    int8_t *kind = (int8_t *)PyBytes_AS_STRING(bufs[3]);
+    int32_t *partition = (int32_t *)PyBytes_AS_STRING(bufs[4]);
+    int64_t *offset = (int64_t *)PyBytes_AS_STRING(bufs[5]);
+    int32_t *attempt = (int32_t *)PyBytes_AS_STRING(bufs[6]);
+    int32_t *origin_partition = (int32_t *)PyBytes_AS_STRING(bufs[7]);
+    int64_t *origin_offset = (int64_t *)PyBytes_AS_STRING(bufs[8]);
+    int64_t *timeout = (int64_t *)PyBytes_AS_STRING(bufs[9]);
+    int64_t *delay = (int64_t *)PyBytes_AS_STRING(bufs[10]);
+    uint8_t *policy = (uint8_t *)PyBytes_AS_STRING(bufs[11]);
+    uint8_t *deferred = (uint8_t *)PyBytes_AS_STRING(bufs[12]);
+    memset(valid, 0, (size_t)(vbytes ? vbytes : 1));
+
+#define PUT_TEXT(c, ptr, len)                                                   \
+    do {                                                                        \
+        memcpy(str[c].data + str[c].used, (ptr), (size_t)(len));                \
+        str[c].used += (len);                                                   \
+        int32_t end_ = (int32_t)str[c].used;                                    \
+        memcpy(str[c].offsets + 4 * (r + 1), &end_, 4);                         \
+    } while (0)
+
+    Py_ssize_t r = 0;
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *m = items[i];
+        const char *p[N_STR_COLS];
+        Py_ssize_t len[N_STR_COLS];
+        if (m == Py_None) {
+            index[r] = (int32_t)i;
+            kind[r] = 0;
+            partition[r] = attempt[r] = origin_partition[r] = 0;
+            offset[r] = origin_offset[r] = timeout[r] = delay[r] = 0;
+            policy[r] = deferred[r] = 0;
+            for (int c = 0; c < N_STR_COLS; c++) PUT_TEXT(c, "", 0);
+            r++;
+            continue;
+        }
+        if (Py_TYPE(m) == range_type) {
+            int8_t k = (int8_t)as_int64(PyTuple_GET_ITEM(m, 0), &bad);
+            int32_t part = (int32_t)as_int64(PyTuple_GET_ITEM(m, 3), &bad);
+            int64_t first = as_int64(PyTuple_GET_ITEM(m, 4), &bad);
+            int64_t last = as_int64(PyTuple_GET_ITEM(m, 5), &bad);
+            int64_t lease = as_int64(PyTuple_GET_ITEM(m, 7), &bad);
+            if (bad) goto done;
+            utf8_of(PyTuple_GET_ITEM(m, 1), &p[0], &len[0]);
+            utf8_of(PyTuple_GET_ITEM(m, 2), &p[1], &len[1]);
+            utf8_of(PyTuple_GET_ITEM(m, 8), &p[3], &len[3]);
+            uint64_t width = (uint64_t)(last - first) + 1;
+            unsigned char *covered = range_covered(m, width);
+            if (covered == NULL) goto done;
+            for (uint64_t b = 0; b < width; b++) {
+                if (!(covered[b >> 3] & (1u << (b & 7)))) continue;
+                index[r] = (int32_t)i;
+                valid[r >> 3] |= (unsigned char)(1u << (r & 7));
+                kind[r] = k;
+                partition[r] = origin_partition[r] = part;
+                offset[r] = origin_offset[r] = first + (int64_t)b;
+                attempt[r] = 1;
+                timeout[r] = lease;
+                delay[r] = 0;
+                policy[r] = deferred[r] = 0;
+                PUT_TEXT(0, p[0], len[0]);
+                PUT_TEXT(1, p[1], len[1]);
+                PUT_TEXT(2, p[1], len[1]);
+                PUT_TEXT(3, p[3], len[3]);
+                PUT_TEXT(4, "", 0);
+                r++;
+            }
+            PyMem_Free(covered);
+            continue;
+        }
+        static const int fields[N_STR_COLS] = {1, 2, 6, 12, 13};
+        index[r] = (int32_t)i;
+        valid[r >> 3] |= (unsigned char)(1u << (r & 7));
+        kind[r] = (int8_t)as_int64(PyTuple_GET_ITEM(m, 0), &bad);
+        partition[r] = (int32_t)as_int64(PyTuple_GET_ITEM(m, 3), &bad);
+        offset[r] = as_int64(PyTuple_GET_ITEM(m, 4), &bad);
+        attempt[r] = (int32_t)as_int64(PyTuple_GET_ITEM(m, 5), &bad);
+        origin_partition[r] = (int32_t)as_int64(PyTuple_GET_ITEM(m, 7), &bad);
+        origin_offset[r] = as_int64(PyTuple_GET_ITEM(m, 8), &bad);
+        timeout[r] = as_int64(PyTuple_GET_ITEM(m, 9), &bad);
+        delay[r] = as_int64(PyTuple_GET_ITEM(m, 10), &bad);
+        policy[r] = PyTuple_GET_ITEM(m, 11) == Py_True;
+        deferred[r] = PyTuple_GET_ITEM(m, 14) == Py_True;
+        if (bad) goto done;
+        for (int c = 0; c < N_STR_COLS; c++) {
+            utf8_of(PyTuple_GET_ITEM(m, fields[c]), &p[c], &len[c]);
+            PUT_TEXT(c, p[c], len[c]);
+        }
+        r++;
+    }
+#undef PUT_TEXT
+    if (r != rows) {
+        PyErr_SetString(PyExc_RuntimeError, "marker_columns: row count changed while filling");
+        goto done;
+    }
+    result = PyTuple_New(14 + 2 * N_STR_COLS - 1);
+    if (result == NULL) goto done;
+    PyTuple_SET_ITEM(result, 0, PyLong_FromSsize_t(rows));
+    for (int b = 1; b < 13 + 2 * N_STR_COLS; b++) {
+        PyTuple_SET_ITEM(result, b, bufs[b]); /* steals */
+        bufs[b] = NULL;
+    }
+    if (PyTuple_GET_ITEM(result, 0) == NULL) Py_CLEAR(result);
+
+done:
+    for (int b = 0; b < 13 + 2 * N_STR_COLS; b++) Py_XDECREF(bufs[b]);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyObject *configure(PyObject *module, PyObject *args) {
     (void)module;
     PyObject *cls, *kinds_arg, *err, *rcls = NULL, *rkinds = NULL;
@@ -549,6 +811,8 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_O, "Decode one marker value (see tracker.protocol.decode_marker)."},
     {"decode_many", decode_many, METH_O,
      "decode_many(values) -> (markers, [(index, message), ...]) (see tracker.protocol.decode_batch)."},
+    {"marker_columns", marker_columns, METH_O,
+     "marker_columns(markers) -> column buffers, one row per message (see pipeline.decode)."},
     {"configure", configure, METH_VARARGS,
      "configure(marker_cls, kinds, error_cls, range_cls, range_kinds)"},
     {NULL, NULL, 0, NULL},

@@ -9,17 +9,32 @@ import argparse
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.marker_strategies import markers, range_markers
 
 from pipeline.charts import bar_chart, hbar_chart, line_chart, nice_max
 from pipeline.cli import build_parser, duration_ms, timestamp
-from pipeline.decode import arrow_schema, markers_batch, parse_dlq_headers, spark_schema
+from pipeline.decode import (
+    _c_markers_batch,
+    _py_markers_batch,
+    arrow_schema,
+    markers_batch,
+    parse_dlq_headers,
+    spark_schema,
+)
 from pipeline.offsets import Bound, OffsetRange, OffsetsError, split_ranges
 from pipeline.redrive import REDRIVE_RUN, REDRIVE_SOURCE, _Bucket, redrive_headers
 from pipeline.report import choose_bucket
 from tracker.ids import MessageId
-from tracker.protocol import Marker, encode_any, encode_marker
+from tracker.protocol import (
+    SPEEDUPS,
+    Marker,
+    c_marker_columns,
+    decode_batch,
+    encode_any,
+    encode_marker,
+)
 from tracker.protocol_v2 import RangeMarker
 
 from .workload import dlq_headers
@@ -121,6 +136,42 @@ def test_a_range_marker_decodes_to_the_rows_of_its_v1_markers() -> None:
     assert [r["markers_offset"] for r in mixed] == [0, 0, 0, 1, 2]
     assert mixed[3]["kind"] is None
     assert "too short" in mixed[3]["error"]
+
+
+@pytest.mark.skipif(not SPEEDUPS, reason="the C decoder is not built (KMQ_PURE_PYTHON)")
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            markers(),
+            range_markers(),
+            st.binary(max_size=30),  # mostly refused
+            st.none(),  # a tombstone
+        ),
+        max_size=12,
+    ),
+    st.one_of(st.integers(0, 2**31 - 1), st.just(None)),
+)
+def test_the_c_column_builder_makes_the_python_batch(
+    items: list[Marker | RangeMarker | bytes | None], partition: int | None
+) -> None:
+    """The C path (``marker_columns``) and the Python lists give the same rows: v1 markers of
+    every kind, range markers expanded with their exceptions, refused values and tombstones."""
+    schema = arrow_schema(spark_schema("markers"))
+    values = [encode_any(i) if isinstance(i, Marker | RangeMarker) else i for i in items]
+    decoded = decode_batch(values)
+    partitions: int | list[int] = (
+        partition if partition is not None else [n % 7 for n in range(len(values))]
+    )
+    positions = list(range(100, 100 + len(values)))
+    stamps = [1_780_000_000_000 + n for n in range(len(values))]
+    assert c_marker_columns is not None
+    built = _c_markers_batch(
+        c_marker_columns(decoded.markers), decoded, partitions, positions, stamps, schema=schema
+    )
+    reference = _py_markers_batch(decoded, partitions, positions, stamps, schema=schema)
+    assert built.schema == reference.schema
+    assert built.to_pylist() == reference.to_pylist()
 
 
 def test_dead_letter_headers_are_parsed_leniently() -> None:
