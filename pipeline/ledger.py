@@ -42,9 +42,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pyspark import StorageLevel
 from pyspark.errors import AnalysisException
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     DateType,
@@ -165,7 +164,12 @@ def _per_attempt(markers: DataFrame, params: LedgerParams) -> DataFrame:
             F.lit(params.default_timeout_ms)
         ),
     ).when(is_extend, F.col("timeout_ms"))
-    rows = markers.where(F.col("error").isNull() & kind.isNotNull()).select(
+    # One shuffle for both aggregations: rows hashed by message key satisfy the grouping by
+    # (message, attempt) here and by message in build_ledger, so Spark sorts once and runs both
+    # as streaming sort aggregates (grouped by (key, attempt) first, Spark hashed on all five
+    # columns, then shuffled and sorted a second time for the key alone: twice the time).
+    valid = markers.where(F.col("error").isNull() & kind.isNotNull()).repartition(*KEY)
+    rows = valid.select(
         *KEY,
         "attempt",
         "markers_partition",
@@ -486,6 +490,22 @@ def _path(root: str, sub: str) -> str:
     return f"{root.rstrip('/')}/{sub}"
 
 
+def path_exists(spark: SparkSession, path: str) -> bool:
+    """Whether ``path`` exists, asked of the file system Spark itself reads it with (any
+    Hadoop URI: a local path, ``s3a://``, ``hdfs://``, ...).
+
+    Asked before reading a directory that a first run has not written yet: Spark's reader
+    looks for a streaming sink's metadata there first and logs the ``FileNotFoundException``
+    it gets, with its whole Java stack trace, as a warning, though nothing is wrong.
+    """
+    jvm = spark.sparkContext._jvm
+    if jvm is None:  # pragma: no cover - a classic session always has its gateway
+        return True
+    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
+    conf = spark._jsparkSession.sessionState().newHadoopConf()
+    return bool(hadoop_path.getFileSystem(conf).exists(hadoop_path))
+
+
 def _read_parquet(
     spark: SparkSession, path: str, schema: StructType | None = None
 ) -> DataFrame | None:
@@ -494,6 +514,8 @@ def _read_parquet(
     With ``schema``, partition columns get their types from it rather than being guessed from
     directory names (a topic called ``2024`` would otherwise come back as a number).
     """
+    if not path_exists(spark, path):
+        return None
     reader = spark.read.schema(schema) if schema is not None else spark.read
     try:
         return reader.parquet(path)
@@ -505,6 +527,8 @@ def _read_parquet(
 
 def committed_runs(spark: SparkSession, root: str) -> list[LedgerRun]:
     """The committed runs of the ledger at ``root``, oldest first."""
+    if not path_exists(spark, _path(root, RUNS_DIR)):
+        return []
     try:
         rows = spark.read.schema(_RUNS_SCHEMA).json(_path(root, RUNS_DIR)).collect()
     except AnalysisException as exc:
@@ -515,9 +539,14 @@ def committed_runs(spark: SparkSession, root: str) -> list[LedgerRun]:
     return sorted(runs, key=lambda r: r.run_seq)
 
 
-def _committed(df: DataFrame, runs: Sequence[LedgerRun], extra: int | None = None) -> DataFrame:
-    seqs = [r.run_seq for r in runs] + ([extra] if extra is not None else [])
-    return df.where(F.col("run_seq").isin(seqs))
+def _committed(df: DataFrame, runs: Sequence[LedgerRun], current: str | None = None) -> DataFrame:
+    """Rows written by a committed run (and by the ``current`` run, by its id).
+
+    By run id, not sequence number: a run that died before its commit record leaves rows
+    under the sequence number its rerun takes again, and those rows must stay invisible.
+    """
+    ids = [r.run_id for r in runs] + ([current] if current is not None else [])
+    return df.where(F.col("run_id").isin(ids))
 
 
 def load_ledger(
@@ -582,38 +611,50 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
         resume=resume,
         client_config=job.client_config,
     )
-    new_markers = read(marker_ranges, "markers").persist(StorageLevel.MEMORY_AND_DISK)
-    # One pass for the counts and the topics seen (each Spark action has a fixed cost).
-    stats = new_markers.agg(
-        F.count("*").alias("n"),
-        F.count("error").alias("invalid"),
-        F.collect_set("origin_topic").alias("topics"),
-    ).first()
-    markers_read = stats["n"] if stats else 0
-    invalid = stats["invalid"] if stats else 0
-    seen = set(stats["topics"]) if stats else set()
-    topics = sorted(seen.union(last.topics if last else ()))
-    if job.dlq_topics is not None:
-        dlq_topics = list(job.dlq_topics)
+    run = LedgerRun(seq, run_id, job.params, {}, [], [])
+    tag = [F.lit(seq).alias("run_seq"), F.lit(run_id).alias("run_id")]
+    # The new records go straight to the history; the counts and the topics seen are
+    # observed while they are written (no cached copy, no extra pass over Kafka or Spark).
+    if sum(r.size for r in marker_ranges):
+        seen_markers = Observation("kmq-ledger-markers")
+        read(marker_ranges, "markers").observe(
+            seen_markers,
+            F.count(F.lit(1)).alias("n"),
+            F.count("error").alias("invalid"),
+            F.collect_set("origin_topic").alias("topics"),
+        ).select("*", *tag, F.to_date("timestamp").alias("date")).write.mode("append").partitionBy(
+            "date"
+        ).parquet(_path(job.output, MARKERS_HISTORY_DIR))
+        stats = seen_markers.get
+        run.markers_read, run.invalid_markers = stats["n"], stats["invalid"]
+        seen = set(stats["topics"])
     else:
-        dlq_topics = existing_topics(job.bootstrap, [f"{t}.dlq" for t in topics], job.client_config)
+        seen = set()
+    run.topics = sorted(seen.union(last.topics if last else ()))
+    if job.dlq_topics is not None:
+        run.dlq_topics = list(job.dlq_topics)
+    else:
+        run.dlq_topics = existing_topics(
+            job.bootstrap, [f"{t}.dlq" for t in run.topics], job.client_config
+        )
     dlq_ranges = resolve_ranges(
         job.bootstrap,
-        dlq_topics,
+        run.dlq_topics,
         start=job.start,
         end=job.end,
         resume=resume,
         client_config=job.client_config,
         missing_ok=True,
     )
-    new_dlq = read(dlq_ranges, "dlq").drop(*_PAYLOAD).persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        run = LedgerRun(seq, run_id, job.params, {}, topics, dlq_topics)
-        run.markers_read, run.invalid_markers = markers_read, invalid
-        _write_run(spark, job, runs, run, new_markers=new_markers, new_dlq=new_dlq)
-    finally:
-        new_markers.unpersist()
-        new_dlq.unpersist()
+    if sum(r.size for r in dlq_ranges):
+        seen_dlq = Observation("kmq-ledger-dlq")
+        read(dlq_ranges, "dlq").drop(*_PAYLOAD).observe(
+            seen_dlq, F.count(F.lit(1)).alias("n")
+        ).select("*", *tag, F.to_date("timestamp").alias("date")).write.mode("append").partitionBy(
+            "date"
+        ).parquet(_path(job.output, DLQ_HISTORY_DIR))
+        run.dlq_records_read = seen_dlq.get["n"]
+    _write_rows(spark, job, runs, run)
     run.offsets = _offsets([*marker_ranges, *dlq_ranges], previous_offsets)
     run.seconds = round(time.monotonic() - started, 3)
     run.committed_at = datetime.now(UTC).isoformat()
@@ -639,29 +680,10 @@ def _history_schema(fmt: str, *, payload: bool = True) -> StructType:
 _PAYLOAD = {"key", "value", "headers"}
 
 
-def _write_run(
-    spark: SparkSession,
-    job: LedgerJob,
-    runs: list[LedgerRun],
-    run: LedgerRun,
-    *,
-    new_markers: DataFrame,
-    new_dlq: DataFrame,
-) -> None:
-    """Append the new history and the changed rows; fills in ``run``'s counts."""
+def _write_rows(spark: SparkSession, job: LedgerJob, runs: list[LedgerRun], run: LedgerRun) -> None:
+    """Append the rows that this run changes (its history is written); fills in its counts."""
     params = job.params
-    seq = run.run_seq
-    tag = [F.lit(seq).alias("run_seq"), F.lit(run.run_id).alias("run_id")]
-    dlq_count = run.dlq_records_read = new_dlq.count()
-    if run.markers_read:
-        new_markers.select("*", *tag, F.to_date("timestamp").alias("date")).write.mode(
-            "append"
-        ).partitionBy("date").parquet(_path(job.output, MARKERS_HISTORY_DIR))
-    if dlq_count:
-        new_dlq.select("*", *tag, F.to_date("timestamp").alias("date")).write.mode(
-            "append"
-        ).partitionBy("date").parquet(_path(job.output, DLQ_HISTORY_DIR))
-
+    tag = [F.lit(run.run_seq).alias("run_seq"), F.lit(run.run_id).alias("run_id")]
     history = _read_parquet(
         spark, _path(job.output, MARKERS_HISTORY_DIR), _history_schema("markers")
     )
@@ -670,29 +692,31 @@ def _write_run(
     )
     if history is None:
         return
-    history = _committed(history, runs, seq).drop("run_seq", "run_id", "date")
+    this_run = F.col("run_id") == run.run_id
+    new_markers = history.where(this_run)
+    history = _committed(history, runs, run.run_id).drop("run_seq", "run_id", "date")
+    new_dlq = None
     if dlq_history is not None:
-        dlq_history = _committed(dlq_history, runs, seq).drop("run_seq", "run_id", "date")
-        run.orphan_dlq_records = orphan_dead_letters(new_dlq, history).count()
+        new_dlq = dlq_history.where(this_run)
+        dlq_history = _committed(dlq_history, runs, run.run_id).drop("run_seq", "run_id", "date")
+        if run.dlq_records_read:
+            run.orphan_dlq_records = orphan_dead_letters(new_dlq, history).count()
 
     previous = load_ledger(spark, job.output, runs)
     if previous is not None:
         # Only messages with new markers or DLQ records, and open ones (time moves their
         # state), can change: rebuild those from their full history.
-        touched = (
-            new_markers.where(F.col("error").isNull())
-            .select(*KEY)
-            .unionByName(new_dlq.where(F.col("error").isNull()).select(*KEY))
-            .unionByName(
-                previous.where(F.col("final_state").isin("in_flight", "stuck")).select(
-                    F.col("group"),
-                    F.col("topic").alias("origin_topic"),
-                    F.col("partition").alias("origin_partition"),
-                    F.col("offset").alias("origin_offset"),
-                )
+        touched = new_markers.where(F.col("error").isNull()).select(*KEY)
+        if new_dlq is not None:
+            touched = touched.unionByName(new_dlq.where(F.col("error").isNull()).select(*KEY))
+        touched = touched.unionByName(
+            previous.where(F.col("final_state").isin("in_flight", "stuck")).select(
+                F.col("group"),
+                F.col("topic").alias("origin_topic"),
+                F.col("partition").alias("origin_partition"),
+                F.col("offset").alias("origin_offset"),
             )
-            .distinct()
-        )
+        ).distinct()
         history = history.join(touched, KEY, "left_semi")
         if dlq_history is not None:
             dlq_history = dlq_history.join(touched, KEY, "left_semi")
@@ -703,19 +727,11 @@ def _write_run(
     if previous is not None:
         known = previous.select(*LEDGER_KEY, fingerprint(previous, content).alias("_fp"))
         rows = rows.join(known, [*LEDGER_KEY, "_fp"], "left_anti")
-    rows = (
-        rows.drop("_fp")
-        .select("*", *tag, F.lit(params.as_of).cast("timestamp").alias("as_of"))
-        .persist(StorageLevel.MEMORY_AND_DISK)
-    )
-    try:
-        run.states_written = {
-            r["final_state"]: r["count"] for r in rows.groupBy("final_state").count().collect()
-        }
-        run.rows_written = sum(run.states_written.values())
-        if run.rows_written:
-            rows.write.mode("append").partitionBy("topic", "date").parquet(
-                _path(job.output, LEDGER_DIR)
-            )
-    finally:
-        rows.unpersist()
+    written = Observation("kmq-ledger-rows")
+    rows.drop("_fp").select(
+        "*", *tag, F.lit(params.as_of).cast("timestamp").alias("as_of")
+    ).observe(
+        written, *[F.count_if(F.col("final_state") == s).alias(s) for s in FINAL_STATES]
+    ).write.mode("append").partitionBy("topic", "date").parquet(_path(job.output, LEDGER_DIR))
+    run.states_written = {state: n for state, n in written.get.items() if n}
+    run.rows_written = sum(run.states_written.values())

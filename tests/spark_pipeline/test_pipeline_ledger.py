@@ -6,6 +6,7 @@ The markers and dead letters are written with the project's encoders and chosen 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -212,3 +213,32 @@ async def test_incremental_runs_append_only_what_changed(
     assert full.drop(*drop).exceptAll(incremental.drop(*drop)).count() == 0
     states = {r["offset"]: r["final_state"] for r in incremental.collect() if r["group"] == GROUP}
     assert states == {0: "acked", 2: "acked", 3: "dead_lettered", 5: "stuck", 6: "lost", 7: "lost"}
+
+
+async def test_a_run_that_died_before_its_commit_leaves_nothing_behind(
+    spark: SparkSession, kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
+) -> None:
+    topic, markers = await _topics(kafka_bootstrap, topic_factory)
+    as_of = datetime.now(UTC).replace(microsecond=0)
+    script = Script(markers, 3)
+    expected = synthetic(script, topic, to_millis(as_of), only=[0, 1, 2])
+    await script.produce(kafka_bootstrap)
+    root = tmp_path / "ledger"
+    died = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(as_of)))
+    # What a run that died after writing its history and rows leaves: no commit record.
+    shutil.rmtree(root / "_runs")
+    assert committed_runs(spark, str(root)) == []
+    assert load_ledger(spark, str(root)) is None
+
+    rerun = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(as_of)))
+    assert rerun.run_seq == died.run_seq, "the rerun takes the same sequence number"
+    assert rerun.run_id != died.run_id
+    assert (rerun.markers_read, rerun.rows_written) == (died.markers_read, died.rows_written)
+    rows = _rows(spark, str(root))
+    assert len(rows) == len(expected)
+    for want in expected:
+        row = rows[(want.group, want.offset)]
+        _check(row, want)
+        assert row["run_id"] == rerun.run_id
+        assert row["deliveries"] == sum(a["starts"] for a in row["history"])
+        assert all(a["starts"] == 1 for a in row["history"]), "the dead run's markers ignored"
