@@ -20,7 +20,10 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pipeline.ledger import LedgerRun
 
 from pipeline import __version__
 
@@ -80,6 +83,12 @@ def _spark_args(parser: argparse.ArgumentParser) -> None:
         "--conf", type=key_value, action="append", metavar="KEY=VALUE", help="Spark setting"
     )
     group.add_argument("--log-level", default="WARN", help="Spark log level (default WARN)")
+    group.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Spark's progress bar on stderr (default: when stderr is a terminal)",
+    )
     group.add_argument(
         "--ship-code",
         action=argparse.BooleanOptionalAction,
@@ -219,6 +228,7 @@ def _session(args: argparse.Namespace) -> Iterator[Any]:
         conf=dict(args.conf or ()),
         ship_code=args.ship_code,
         log_level=args.log_level,
+        progress=args.progress if args.progress is not None else sys.stderr.isatty(),
     )
     try:
         yield spark
@@ -262,7 +272,20 @@ def _cmd_ledger(args: argparse.Namespace) -> int:
     with _session(args) as spark:
         run = run_ledger(spark, job)
     _print(run.to_json())
+    print(ledger_summary(run), file=sys.stderr)
     return 0
+
+
+def ledger_summary(run: LedgerRun) -> str:
+    """The one line a ledger run ends with (stderr; the run's JSON is on stdout)."""
+    rate = f", {run.markers_read / run.seconds:,.0f} markers/s" if run.seconds > 0 else ""
+    states = ", ".join(f"{state} {n:,}" for state, n in sorted(run.states_written.items()))
+    return (
+        f"ledger: run {run.run_id} committed in {run.seconds:,.1f} s{rate}: "
+        f"{run.markers_read:,} markers read ({run.invalid_markers:,} refused), "
+        f"{run.dlq_records_read:,} dead letters, {run.rows_written:,} rows written"
+        + (f" ({states})" if states else "")
+    )
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:

@@ -31,7 +31,6 @@ DEFAULT_CONF: dict[str, str] = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.mapKeyDedupPolicy": "LAST_WIN",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
-    "spark.ui.showConsoleProgress": "false",
 }
 
 #: Extra settings for local runs: small shuffles (the default 200 partitions is for clusters).
@@ -58,8 +57,12 @@ def build_session(
     conf: Mapping[str, str] | None = None,
     ship_code: bool | None = None,
     log_level: str = "WARN",
+    progress: bool = False,
 ) -> SparkSession:
-    """Create (or get) the session for a job; see the module docstring."""
+    """Create (or get) the session for a job; see the module docstring.
+
+    ``progress`` shows Spark's console progress bar (stages and tasks, on stderr).
+    """
     from pyspark.sql import SparkSession  # noqa: PLC0415 - pyspark is optional
 
     from pipeline.source import register  # noqa: PLC0415
@@ -75,7 +78,11 @@ def build_session(
     builder = SparkSession.builder.appName(app_name)
     if master is not None:
         builder = builder.master(master)
-    settings = {**DEFAULT_CONF, **(LOCAL_CONF if local else {}), **(conf or {})}
+    settings = {**DEFAULT_CONF, **(LOCAL_CONF if local else {})}
+    settings["spark.ui.showConsoleProgress"] = "true" if progress else "false"
+    settings.update(conf or {})
+    if not submitted:
+        settings[_DRIVER_JAVA_OPTIONS] = quiet_logging(settings.get(_DRIVER_JAVA_OPTIONS, ""))
     for key, value in settings.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
@@ -85,6 +92,18 @@ def build_session(
             spark.sparkContext.addPyFile(str(archive))
     register(spark)
     return spark
+
+
+_DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
+LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
+
+
+def quiet_logging(java_options: str) -> str:
+    """The driver's Java options with the pipeline's log4j2 configuration added, unless the
+    user names one of their own (see pipeline/log4j2.properties for what it leaves out)."""
+    if "log4j2.configurationFile" in java_options or "log4j.configurationFile" in java_options:
+        return java_options
+    return f"{java_options} -Dlog4j2.configurationFile={LOG_CONFIG.as_uri()}".strip()
 
 
 def code_archives(directory: Path | None = None) -> list[Path]:

@@ -329,3 +329,43 @@ def test_module_entry_point_runs_without_spark() -> None:
     assert done.returncode == 0, done.stderr
     for command in ("ledger", "audit", "report", "redrive"):
         assert command in done.stdout
+
+
+def test_a_first_run_prints_its_result_and_summary_and_no_java_stack_trace(world: World) -> None:
+    """``python -m pipeline ledger`` in its own process, on an output directory that does not
+    exist yet: the run's JSON on stdout, one summary line on stderr, no Java noise."""
+    output = world.tmp / "first-run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "ledger",
+            "--bootstrap",
+            world.bootstrap,
+            "--markers-topic",
+            world.markers,
+            "--output",
+            str(output),
+            "--as-of",
+            world.as_of.isoformat(),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    run = json.loads(done.stdout)
+    assert run["rows_written"] == sum(PLAN.values()) + GHOSTS
+    lines = [
+        line
+        for line in done.stderr.splitlines()
+        # The JVM's own note about the module Spark asks for; no setting of ours can hide it.
+        if line.strip() and line != "WARNING: Using incubator modules: jdk.incubator.vector"
+    ]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"ledger: run {run['run_id']} committed in "), lines[0]
+    assert f"{run['markers_read']:,} markers read" in lines[0]
+    assert "markers/s" in lines[0]
