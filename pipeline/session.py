@@ -5,9 +5,12 @@
   ``python -m pipeline ...`` in a virtualenv just works.
 * ``--master`` given, or ``spark-submit`` (which sets ``spark.master`` itself): that cluster.
   The executors then need this project importable: ``ship_code=True`` zips ``pipeline`` and
-  ``tracker`` and adds them with ``addPyFile`` (the C marker decoder does not load from a zip;
-  the pure-Python decoder applies the same rules). aiokafka and pyarrow must be installed on
-  the executors.
+  ``tracker`` as this interpreter imports them, compiled C decoder included, ships the zip
+  with ``spark.archives`` (unpacked in each executor's working directory as ``kmq-code``) and
+  puts it first on the Python workers' path, so the executors decode with the C decoder as
+  the driver does. Under ``spark-submit`` the context's settings are fixed before this code
+  runs: the zip is added with ``addPyFile`` (pure Python) unless the submit command ships it
+  with ``--archives`` itself. aiokafka and pyarrow must be installed on the executors.
 
 Settings every job relies on: the session time zone is UTC (ledger dates and report buckets
 are UTC days and hours), and map keys built from record headers keep the last duplicate (like
@@ -21,6 +24,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Mapping
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,20 +85,26 @@ def build_session(
     settings = {**DEFAULT_CONF, **(LOCAL_CONF if local else {})}
     settings["spark.ui.showConsoleProgress"] = "true" if progress else "false"
     settings.update(conf or {})
+    ship = ship_code if ship_code is not None else not local
     if not submitted:
         settings[_DRIVER_JAVA_OPTIONS] = quiet_logging(settings.get(_DRIVER_JAVA_OPTIONS, ""))
+        if ship:
+            settings.update(shipping_conf(code_archive(), settings))
     for key, value in settings.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(log_level)
-    if ship_code if ship_code is not None else not local:
-        for archive in code_archives():
-            spark.sparkContext.addPyFile(str(archive))
+    if ship and submitted:
+        # spark-submit started the context: its settings are fixed. The code still reaches
+        # the executors as a Python zip (pure Python: the compiled decoder does not load from
+        # a zip); ship it with --archives for the compiled one (docs/pipeline.md).
+        spark.sparkContext.addPyFile(str(code_archive()))
     register(spark)
     return spark
 
 
 _DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
+_EXECUTOR_PYTHONPATH = "spark.executorEnv.PYTHONPATH"
 LOG_CONFIG = Path(__file__).with_name("log4j2.properties")
 
 
@@ -106,11 +116,24 @@ def quiet_logging(java_options: str) -> str:
     return f"{java_options} -Dlog4j2.configurationFile={LOG_CONFIG.as_uri()}".strip()
 
 
-def code_archives(directory: Path | None = None) -> list[Path]:
-    """Zip the ``pipeline`` and ``tracker`` packages (sources only) for the executors."""
+#: Where the code archive is unpacked on every executor (in its working directory); the
+#: executors' Python workers get it first on their path.
+CODE_DIR = "kmq-code"
+
+
+def code_archive(directory: Path | None = None) -> Path:
+    """A zip of the ``pipeline`` and ``tracker`` packages as this interpreter imports them:
+    sources, package data and compiled extension modules (the C marker decoder).
+
+    Shipped with ``spark.archives``, it is unpacked, not imported from the zip, so executors
+    load the compiled decoder as the driver does (it was built for this Python and platform;
+    an executor on another one falls back to the pure-Python decoder, which applies the same
+    rules).
+    """
     import pipeline  # noqa: PLC0415
     import tracker  # noqa: PLC0415
 
+    wanted = {".py", ".typed", ".properties", *EXTENSION_SUFFIXES}
     out_dir = directory or Path(tempfile.mkdtemp(prefix="kmq-pipeline-code-"))
     archive = out_dir / "kmq-pipeline-code.zip"
     with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as zf:
@@ -119,6 +142,19 @@ def code_archives(directory: Path | None = None) -> list[Path]:
                 raise RuntimeError(f"{package.__name__} is not a regular package")
             root = Path(package.__file__).parent
             for path in sorted(root.rglob("*")):
-                if path.suffix in {".py", ".typed"} and "__pycache__" not in path.parts:
+                if "__pycache__" in path.parts or not path.is_file():
+                    continue
+                if path.suffix in wanted or any(path.name.endswith(x) for x in EXTENSION_SUFFIXES):
                     zf.write(path, Path(root.name) / path.relative_to(root))
-    return [archive]
+    return archive
+
+
+def shipping_conf(archive: Path, conf: Mapping[str, str]) -> dict[str, str]:
+    """The settings that ship ``archive`` to every executor and put it on the Python workers'
+    path, added to what ``conf`` already asks for."""
+    archives = conf.get("spark.archives", "")
+    python_path = conf.get(_EXECUTOR_PYTHONPATH, "")
+    return {
+        "spark.archives": ",".join(a for a in (archives, f"{archive}#{CODE_DIR}") if a),
+        _EXECUTOR_PYTHONPATH: os.pathsep.join(p for p in (CODE_DIR, python_path) if p),
+    }

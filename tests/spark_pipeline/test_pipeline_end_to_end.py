@@ -31,12 +31,14 @@ from pipeline.cli import main
 from pipeline.ledger import LedgerJob, LedgerParams, load_ledger, run_ledger
 from pipeline.redrive import REDRIVE_RUN, REDRIVE_SOURCE, RedriveJob, read_manifest, run_redrive
 from pipeline.report import build_report, write_report
+from pipeline.session import CODE_DIR
 from tracker.client import KmqMessage, KmqProducer
 from tracker.client.markers import KafkaMarkerSink
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import Marker
 
+from .standalone import standalone_cluster
 from .workload import high_watermarks, read_topic
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -369,3 +371,87 @@ def test_a_first_run_prints_its_result_and_summary_and_no_java_stack_trace(world
     assert lines[0].startswith(f"ledger: run {run['run_id']} committed in "), lines[0]
     assert f"{run['markers_read']:,} markers read" in lines[0]
     assert "markers/s" in lines[0]
+
+
+_PROBE = """
+import json, sys
+from pipeline.session import build_session
+spark = build_session(sys.argv[1], app_name="kmq-probe", log_level="ERROR")
+
+def where(_):
+    import tracker, tracker.protocol
+    from tracker import _speedups
+    return (tracker.protocol.SPEEDUPS, tracker.__file__, _speedups.__file__)
+
+print(json.dumps(spark.sparkContext.parallelize(range(2), 2).map(where).collect()))
+spark.stop()
+"""
+
+
+def _pipeline(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args, "--no-progress"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+
+
+def test_ledger_and_audit_on_a_standalone_cluster_match_local_mode(
+    world: World, spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The jobs with ``--master spark://...`` on a real standalone cluster (a master and a
+    worker process on loopback): the code reaches the executors as an archive, the executors
+    decode with the C decoder, and ledger and audit say what they say in ``local[*]``."""
+    local_root = str(world.tmp / "cluster-reference")
+    common = ["--bootstrap", world.bootstrap, "--markers-topic", world.markers]
+    when = ["--as-of", world.as_of.isoformat(), "--grace", "1m"]
+    run_local = run_ledger(
+        spark,
+        LedgerJob(
+            world.bootstrap,
+            world.markers,
+            local_root,
+            LedgerParams(as_of=world.as_of, grace_ms=60_000),
+        ),
+    )
+    local_audit = audit_ledger(spark, local_root)
+    with standalone_cluster(tmp_path_factory.mktemp("spark-cluster")) as cluster:
+        probe = subprocess.run(
+            [sys.executable, "-c", _PROBE, cluster.master_url],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=600,
+        )
+        assert probe.returncode == 0, probe.stderr
+        for speedups, package, compiled in json.loads(probe.stdout.splitlines()[-1]):
+            assert speedups, "the executors decode with the C decoder"
+            assert Path(package).is_relative_to(cluster.work_dir), package
+            assert f"/{CODE_DIR}/tracker/" in package, "imported from the shipped archive"
+            assert Path(compiled).parent == Path(package).parent
+
+        cluster_root = str(world.tmp / "cluster-ledger")
+        master = ["--master", cluster.master_url]
+        ledger = _pipeline("ledger", *common, "--output", cluster_root, *when, *master)
+        assert ledger.returncode == 0, ledger.stderr
+        run = json.loads(ledger.stdout)
+        audit = _pipeline("audit", "--ledger", cluster_root, *master)
+        assert audit.returncode == 1, audit.stderr
+        broken = json.loads(audit.stdout)
+
+    assert (run["markers_read"], run["rows_written"], run["states_written"]) == (
+        run_local.markers_read,
+        run_local.rows_written,
+        run_local.states_written,
+    )
+    drop = ["run_seq", "run_id", "as_of"]
+    on_cluster = load_ledger(spark, cluster_root)
+    in_local = load_ledger(spark, local_root)
+    assert on_cluster is not None
+    assert in_local is not None
+    assert on_cluster.drop(*drop).exceptAll(in_local.drop(*drop)).count() == 0
+    assert in_local.drop(*drop).exceptAll(on_cluster.drop(*drop)).count() == 0
+    assert broken["broken_count"] == local_audit.broken_count == GHOSTS
+    assert {b["offset"] for b in broken["broken"]} == {b["offset"] for b in local_audit.broken}
