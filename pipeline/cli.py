@@ -93,7 +93,8 @@ def _spark_args(parser: argparse.ArgumentParser) -> None:
         "--ship-code",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="zip pipeline/ and tracker/ for the executors (default: on for non-local masters)",
+        help="ship pipeline/ and tracker/, C decoder included, to the executors as an archive "
+        "(default: on for non-local masters)",
     )
 
 
