@@ -94,10 +94,12 @@ def build_session(
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(log_level)
-    if ship and submitted:
+    shipped = f"#{CODE_DIR}" in spark.sparkContext.getConf().get("spark.archives", "")
+    if ship and submitted and not shipped:
         # spark-submit started the context: its settings are fixed. The code still reaches
         # the executors as a Python zip (pure Python: the compiled decoder does not load from
-        # a zip); ship it with --archives for the compiled one (docs/pipeline.md).
+        # a zip, and a zip added here would come first on their path); ship it with
+        # --archives ...#kmq-code for the compiled one (docs/pipeline.md).
         spark.sparkContext.addPyFile(str(code_archive()))
     register(spark)
     return spark

@@ -618,6 +618,10 @@ static PyObject *marker_columns(PyObject *module, PyObject *arg) {
             Py_ssize_t count = 0;
             for (uint64_t b = 0; b < (width + 7) / 8; b++) count += __builtin_popcount(covered[b]);
             PyMem_Free(covered);
+            if (count == 0) { /* the decoder refuses it; rows must not be empty per marker */
+                PyErr_SetString(PyExc_ValueError, "marker_columns: a range that covers no offset");
+                goto done;
+            }
             rows += count;
             if (utf8_of(PyTuple_GET_ITEM(m, 1), &p, &len) < 0) goto done;
             text[0] += len * count;

@@ -623,8 +623,8 @@ SPEEDUPS = _c_decode is not None
 #: The C column builder (``pipeline.decode`` turns decoded markers into Arrow buffers with it),
 #: or None without the C decoder.
 c_marker_columns: Callable[[list[AnyMarker | None]], tuple[Any, ...]] | None = (
-    None if _speedups_module is None else _speedups_module.marker_columns
-)
+    None if _speedups_module is None else getattr(_speedups_module, "marker_columns", None)
+)  # getattr: a module built before marker_columns existed still decodes
 
 
 def decode_marker(value: bytes | bytearray | memoryview | None) -> AnyMarker:

@@ -63,6 +63,9 @@ def standalone_cluster(
         "SPARK_HOME": str(spark_class.parent.parent),
         "SPARK_LOCAL_IP": "127.0.0.1",
         "PYSPARK_PYTHON": sys.executable,  # the executors' Python workers
+        # A port taken between _free_port() and the bind fails the daemon at once (its log
+        # is shown) instead of moving it to another port that this fixture does not know.
+        "SPARK_DAEMON_JAVA_OPTS": "-Dspark.port.maxRetries=0",
     }
     port, ui_port, worker_ui = _free_port(), _free_port(), _free_port()
     work_dir = directory / "work"

@@ -333,6 +333,7 @@ def test_module_entry_point_runs_without_spark() -> None:
         assert command in done.stdout
 
 
+@pytest.mark.timeout(900)
 def test_a_first_run_prints_its_result_and_summary_and_no_java_stack_trace(world: World) -> None:
     """``python -m pipeline ledger`` in its own process, on an output directory that does not
     exist yet: the run's JSON on stdout, one summary line on stderr, no Java noise."""
@@ -352,6 +353,10 @@ def test_a_first_run_prints_its_result_and_summary_and_no_java_stack_trace(world
             "--as-of",
             world.as_of.isoformat(),
             "--no-progress",
+            # Another Spark UI on this machine (the test session's, a CI neighbour's) would
+            # make Spark warn that port 4040 is taken: true, but not what is tested here.
+            "--conf",
+            "spark.ui.enabled=false",
         ],
         capture_output=True,
         text=True,
@@ -398,6 +403,7 @@ def _pipeline(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.timeout(1500)  # three drivers and their executors on two cores
 def test_ledger_and_audit_on_a_standalone_cluster_match_local_mode(
     world: World, spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
