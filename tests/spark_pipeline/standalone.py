@@ -65,7 +65,8 @@ def standalone_cluster(
         "PYSPARK_PYTHON": sys.executable,  # the executors' Python workers
         # A port taken between _free_port() and the bind fails the daemon at once (its log
         # is shown) instead of moving it to another port that this fixture does not know.
-        "SPARK_DAEMON_JAVA_OPTS": "-Dspark.port.maxRetries=0",
+        # The REST submission server (port 6066 by default) is not needed.
+        "SPARK_DAEMON_JAVA_OPTS": "-Dspark.port.maxRetries=0 -Dspark.master.rest.enabled=false",
     }
     port, ui_port, worker_ui = _free_port(), _free_port(), _free_port()
     work_dir = directory / "work"
