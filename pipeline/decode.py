@@ -21,6 +21,7 @@ from Python lists (``zip(*markers)`` transposes the decoded named tuples).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -199,7 +200,9 @@ def markers_batch(
     return _py_markers_batch(decoded, partitions, offsets, timestamps_ms, schema=schema)
 
 
+@functools.cache
 def _kind_names() -> pa.Array:
+    """The ``kind`` column's values indexed by kind code (built once, taken per batch)."""
     import pyarrow as pa  # noqa: PLC0415
 
     names: list[str | None] = [None] * (max(MarkerKind) + 1)

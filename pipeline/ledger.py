@@ -612,20 +612,17 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
         client_config=job.client_config,
     )
     run = LedgerRun(seq, run_id, job.params, {}, [], [])
-    tag = [F.lit(seq).alias("run_seq"), F.lit(run_id).alias("run_id")]
     # The new records go straight to the history; the counts and the topics seen are
     # observed while they are written (no cached copy, no extra pass over Kafka or Spark).
     if sum(r.size for r in marker_ranges):
-        seen_markers = Observation("kmq-ledger-markers")
-        read(marker_ranges, "markers").observe(
-            seen_markers,
+        stats = _append_history(
+            read(marker_ranges, "markers"),
+            run,
+            _path(job.output, MARKERS_HISTORY_DIR),
             F.count(F.lit(1)).alias("n"),
             F.count("error").alias("invalid"),
             F.collect_set("origin_topic").alias("topics"),
-        ).select("*", *tag, F.to_date("timestamp").alias("date")).write.mode("append").partitionBy(
-            "date"
-        ).parquet(_path(job.output, MARKERS_HISTORY_DIR))
-        stats = seen_markers.get
+        )
         run.markers_read, run.invalid_markers = stats["n"], stats["invalid"]
         seen = set(stats["topics"])
     else:
@@ -647,13 +644,12 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
         missing_ok=True,
     )
     if sum(r.size for r in dlq_ranges):
-        seen_dlq = Observation("kmq-ledger-dlq")
-        read(dlq_ranges, "dlq").drop(*_PAYLOAD).observe(
-            seen_dlq, F.count(F.lit(1)).alias("n")
-        ).select("*", *tag, F.to_date("timestamp").alias("date")).write.mode("append").partitionBy(
-            "date"
-        ).parquet(_path(job.output, DLQ_HISTORY_DIR))
-        run.dlq_records_read = seen_dlq.get["n"]
+        run.dlq_records_read = _append_history(
+            read(dlq_ranges, "dlq").drop(*_PAYLOAD),
+            run,
+            _path(job.output, DLQ_HISTORY_DIR),
+            F.count(F.lit(1)).alias("n"),
+        )["n"]
     _write_rows(spark, job, runs, run)
     run.offsets = _offsets([*marker_ranges, *dlq_ranges], previous_offsets)
     run.seconds = round(time.monotonic() - started, 3)
@@ -680,10 +676,26 @@ def _history_schema(fmt: str, *, payload: bool = True) -> StructType:
 _PAYLOAD = {"key", "value", "headers"}
 
 
+def _run_tag(run: LedgerRun) -> list[Column]:
+    """The columns that say which run wrote a row."""
+    return [F.lit(run.run_seq).alias("run_seq"), F.lit(run.run_id).alias("run_id")]
+
+
+def _append_history(
+    records: DataFrame, run: LedgerRun, path: str, *metrics: Column
+) -> dict[str, Any]:
+    """Append ``records`` to the history at ``path`` (by date, tagged with ``run``) and
+    return ``metrics`` over them, taken while they are written."""
+    observed = Observation(f"kmq-ledger-{run.run_id}-{path.rsplit('/', 1)[-1]}")
+    records.observe(observed, *metrics).select(
+        "*", *_run_tag(run), F.to_date("timestamp").alias("date")
+    ).write.mode("append").partitionBy("date").parquet(path)
+    return observed.get
+
+
 def _write_rows(spark: SparkSession, job: LedgerJob, runs: list[LedgerRun], run: LedgerRun) -> None:
     """Append the rows that this run changes (its history is written); fills in its counts."""
     params = job.params
-    tag = [F.lit(run.run_seq).alias("run_seq"), F.lit(run.run_id).alias("run_id")]
     history = _read_parquet(
         spark, _path(job.output, MARKERS_HISTORY_DIR), _history_schema("markers")
     )
@@ -729,7 +741,7 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: list[LedgerRun], run:
         rows = rows.join(known, [*LEDGER_KEY, "_fp"], "left_anti")
     written = Observation("kmq-ledger-rows")
     rows.drop("_fp").select(
-        "*", *tag, F.lit(params.as_of).cast("timestamp").alias("as_of")
+        "*", *_run_tag(run), F.lit(params.as_of).cast("timestamp").alias("as_of")
     ).observe(
         written, *[F.count_if(F.col("final_state") == s).alias(s) for s in FINAL_STATES]
     ).write.mode("append").partitionBy("topic", "date").parquet(_path(job.output, LEDGER_DIR))
