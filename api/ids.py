@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any
 
-from tracker.engine.entries import EntryKey
+from tracker.domain.entries import EntryKey
 from tracker.ids import is_valid_topic
 
 from .errors import ApiError

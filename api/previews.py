@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from aiokafka import TopicPartition
 
 from tracker.clock import from_millis
-from tracker.engine.entries import EntryKey
+from tracker.domain.entries import EntryKey
 from tracker.errors import MarkerError
 from tracker.kafka.originals import OriginalRecord
 from tracker.kafka.scan import PartitionScanner

@@ -35,9 +35,8 @@ import httpx
 from sqlalchemy import text
 
 from tracker.clock import SystemClock, to_millis
-from tracker.engine.entries import ResolvedPolicy
+from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.partitioning import markers_partition
-from tracker.settings import BackoffPolicy
 from tracker.store import Store
 from tracker.store.manager import PendingMarker
 from tracker.store.migrate import upgrade

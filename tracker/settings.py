@@ -15,20 +15,14 @@ Settings are built once, in the process's factory (:func:`load_settings`), never
 from __future__ import annotations
 
 import difflib
-import hashlib
 import os
-import re
 import socket
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
     Field,
     SecretStr,
     field_validator,
@@ -41,42 +35,10 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from tracker.ids import is_valid_topic
+from tracker.domain.durations import Duration
+from tracker.domain.policy import TopicPolicy, TopicPolicyOverride, topic_name
 
 CONFIG_FILE_ENV = "KMQ_CONFIG_FILE"
-
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_HUMAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-
-
-_DURATION_FORMS = "seconds (30, 0.5), 500ms, 30s, 5m, 2h, 7d, or ISO 8601 (PT30S)"
-
-
-def _parse_duration(value: Any) -> Any:
-    """Accept seconds (``30``, ``"0.5"``) and ``500ms``/``30s``/``5m``/``2h``/``7d`` as well
-    as everything pydantic accepts for ``timedelta`` (ISO 8601 ``PT30S``, ``HH:MM:SS``).
-
-    Anything else is refused with the accepted forms, not with pydantic's ISO 8601 wording,
-    which confuses someone who wrote ``banana`` or ``-5``.
-    """
-    if isinstance(value, str):
-        match = _HUMAN.match(value)
-        if match:
-            return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
-        text = value.strip()
-        if not (text.upper().startswith("P") or ":" in text):
-            raise ValueError(f"{value!r} is not a duration; use {_DURATION_FORMS}")
-    return value
-
-
-def _not_negative(value: timedelta) -> timedelta:
-    if value < timedelta(0):
-        raise ValueError(f"a duration must not be negative; use {_DURATION_FORMS}")
-    return value
-
-
-#: A duration setting: see :func:`_parse_duration` for the accepted forms.
-Duration = Annotated[timedelta, BeforeValidator(_parse_duration), AfterValidator(_not_negative)]
 
 #: aiokafka client arguments that the ``kafka_security_*`` / ``kafka_sasl_*`` / ``kafka_ssl_*``
 #: settings produce; ``kafka_client_config`` may not set them as well.
@@ -89,106 +51,6 @@ KAFKA_SECURITY_CLIENT_KEYS = frozenset(
         "ssl_context",
     }
 )
-
-
-def _topic_name(value: str | None) -> str | None:
-    if value is not None and not is_valid_topic(value):
-        raise ValueError(f"{value!r} is not a legal Kafka topic name")
-    return value
-
-
-class BackoffPolicy(BaseModel):
-    """Exponential backoff with a cap and jitter, for retries that do not name a delay."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    initial: Duration = Field(timedelta(seconds=1), description="Delay before the 2nd attempt.")
-    multiplier: float = Field(2.0, ge=1.0, le=100.0, description="Growth per attempt.")
-    max: Duration = Field(timedelta(minutes=15), description="Upper bound of the delay.")
-    jitter: float = Field(
-        0.2, ge=0.0, le=1.0, description="Random spread, as a fraction of the delay (+/-)."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> BackoffPolicy:
-        if self.initial <= timedelta(0) or self.max < self.initial:
-            raise ValueError("backoff needs 0 < initial <= max")
-        return self
-
-    def delay_ms(self, attempt: int, seed: bytes) -> int:
-        """The delay after failed attempt ``attempt`` (1-based).
-
-        Jitter is derived from ``seed`` (the message identity), not from a random generator,
-        so replaying the same markers yields the same due time.
-        """
-        base = self.initial.total_seconds() * self.multiplier ** max(0, attempt - 1)
-        base = min(base, self.max.total_seconds())
-        if self.jitter:
-            unit = int.from_bytes(hashlib.blake2b(seed, digest_size=8).digest(), "big") / 2**64
-            base *= 1 + self.jitter * (2 * unit - 1)
-        return max(1, round(base * 1000))
-
-
-class TopicPolicyOverride(BaseModel):
-    """Per-topic overrides; unset fields fall back to ``default_policy``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    processing_timeout: Duration | None = None
-    max_attempts: int | None = Field(None, ge=1, le=0xFFFF)
-    backoff: BackoffPolicy | None = None
-    dlq_topic: str | None = None
-    retry_topic: str | None = None
-    keep_payload_after: Duration | None = None
-
-    _dlq = field_validator("dlq_topic", "retry_topic")(_topic_name)
-
-
-class TopicPolicy(BaseModel):
-    """How the tracker treats messages of one topic."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    processing_timeout: Duration = Field(
-        timedelta(seconds=30),
-        description="Lease of a START that does not name one; redelivered when it expires.",
-    )
-    max_attempts: int = Field(
-        5, ge=1, le=0xFFFF, description="Deliveries before a message goes to the DLQ."
-    )
-    backoff: BackoffPolicy = Field(default_factory=BackoffPolicy)
-    dlq_topic: str | None = Field(None, description="Dead-letter topic; default `<topic>.dlq`.")
-    retry_topic: str | None = Field(
-        None, description="Where redelivered copies go; default the message's own topic."
-    )
-    keep_payload_after: Duration | None = Field(
-        None,
-        description=(
-            "Delays longer than this keep a copy of the payload in the store, so that a "
-            "message outliving the topic's retention is not lost. Default: half the topic's "
-            "retention.ms (7 days assumed when the broker does not say)."
-        ),
-    )
-
-    _dlq = field_validator("dlq_topic", "retry_topic")(_topic_name)
-
-    @model_validator(mode="after")
-    def _check(self) -> TopicPolicy:
-        if self.processing_timeout <= timedelta(0):
-            raise ValueError("processing_timeout must be positive")
-        return self
-
-    def merged(self, override: TopicPolicyOverride | None) -> TopicPolicy:
-        if override is None:
-            return self
-        changes = override.model_dump(exclude_none=True)
-        return self.model_validate({**self.model_dump(), **changes})
-
-    def dlq_for(self, topic: str) -> str:
-        return self.dlq_topic or f"{topic}.dlq"
-
-    def retry_for(self, topic: str) -> str:
-        return self.retry_topic or topic
 
 
 def _default_replica_id() -> str:
@@ -422,20 +284,20 @@ class TrackerSettings(BaseSettings):
         ),
     )
 
-    _topics = field_validator("markers_topic", "invalid_markers_topic")(_topic_name)
+    _topics = field_validator("markers_topic", "invalid_markers_topic")(topic_name)
 
     @field_validator("allowed_topics")
     @classmethod
     def _allowed(cls, value: list[str] | None) -> list[str] | None:
         for topic in value or []:
-            _topic_name(topic)
+            topic_name(topic)
         return value
 
     @field_validator("topics")
     @classmethod
     def _topic_keys(cls, value: dict[str, TopicPolicyOverride]) -> dict[str, TopicPolicyOverride]:
         for topic in value:
-            _topic_name(topic)
+            topic_name(topic)
         return value
 
     @field_validator("database_url")

@@ -18,7 +18,7 @@ from aiokafka import TopicPartition
 from fastapi import APIRouter, Path, Query, Request, Response
 
 from tracker.clock import from_millis
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.kafka.originals import OriginalsUnavailable
 from tracker.store import StoreUnavailable
 from tracker.store.admin import DeadLetterFilter, EntryFilter, EntryOrder

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Path, Query, Response
 from pydantic import AwareDatetime
 
 from tracker.clock import to_millis
-from tracker.engine.entries import EntryKey, State
+from tracker.domain.entries import EntryKey, State
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.partitioning import markers_partition

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.store import StoreUnavailable
 
 from ..context import ApiContext

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from tracker.settings import TopicPolicy
+from tracker.domain.policy import TopicPolicy
 from tracker.store.admin import TopicCounts
 
 from ..context import ApiContext

@@ -4,7 +4,7 @@ A v2 RANGE_START puts a whole fetched batch in flight with one marker; the track
 one row of ``tracked_ranges`` (a bitmask of the offsets still in flight, the batch's deadline,
 consumer and times) instead of one ``tracked_messages`` row per message. An offset leaves its
 range for an ordinary entry only when it diverges (retry, reject, its own extension, an
-operator action). See ``tracker/engine/ranges.py`` and docs/architecture.md.
+operator action). See ``tracker/domain/ranges.py`` and docs/architecture.md.
 
 Nothing to migrate: v1 entries stay as they are, and the counters (``tracked_counts``) count
 a range's open offsets as in-flight entries from the first range written.

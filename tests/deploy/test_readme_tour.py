@@ -26,7 +26,7 @@ import pytest
 from integration.engine_support import FAST_GROUP, TopicWatcher, eventually, tracker_settings
 
 from tracker.client import KmqProducer
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker, MarkerKind, decode_marker

@@ -20,7 +20,7 @@ from support.counts import assert_counters_match
 
 from api.app import create_app
 from api.context import ApiContext
-from tracker.engine.entries import Entry, State
+from tracker.domain.entries import Entry, State
 from tracker.settings import TrackerSettings
 from tracker.store.admin import actions_table, items_table, jobs_table
 from tracker.store.counts import CountChanges

@@ -49,7 +49,7 @@ from support.databases import sqlite_url
 from api.app import create_app
 from api.context import ApiContext
 from api.server import serve
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.store.admin import DeadLetterFilter, RedriveSpec
 
 from .api_support import (

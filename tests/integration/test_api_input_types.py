@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 
 from .api_support import T0, ApiEnv, api_env, entry, insert_dead_letters, insert_entries
 

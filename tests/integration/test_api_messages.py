@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import update
 
 from tracker.client.markers import KafkaMarkerSink
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
 from tracker.protocol import Marker

@@ -14,7 +14,7 @@ from support.broker import unique_topic
 
 from api.app import create_app, create_standalone_app
 from api.server import ApiServerError, serve
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 
 from .api_support import (
     ADMIN_TOKEN,

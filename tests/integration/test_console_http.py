@@ -19,7 +19,7 @@ import pytest
 
 from api.console.headers import CONTENT_SECURITY_POLICY
 from api.console.session import COOKIE
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 
 from .api_support import (
     ADMIN_TOKEN,

@@ -55,7 +55,7 @@ import pytest
 from support.broker import TopicFactory, unique_topic
 
 from tracker.client import KmqMessage
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.store import Store, StoreUnavailable
 
 from .engine_support import TopicWatcher

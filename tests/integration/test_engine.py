@@ -21,7 +21,7 @@ from support.counts import assert_counters_match
 from tracker import headers as h
 from tracker.client import KmqMessage, KmqProducer
 from tracker.client.markers import KafkaMarkerSink
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import Marker, MarkerKind, decode_marker

@@ -30,7 +30,7 @@ from support.range_model import (
     steps_with_times,
 )
 
-from tracker.engine.entries import Entry, State, plan_due
+from tracker.domain.entries import Entry, State, plan_due
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeMarker

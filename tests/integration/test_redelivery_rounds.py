@@ -32,13 +32,13 @@ from support.broker import TopicFactory, unique_topic
 
 from tracker.client.planning import SeenCopies
 from tracker.clock import Clock, ManualClock, SystemClock, to_millis
-from tracker.engine.entries import EntryKey, ResolvedPolicy
+from tracker.domain.entries import EntryKey
+from tracker.domain.policy import BackoffPolicy, ResolvedPolicy, TopicPolicy
 from tracker.engine.redeliver import Redeliverer
 from tracker.ids import MessageId
 from tracker.kafka.originals import OriginalsReader
 from tracker.metrics import Metrics
 from tracker.protocol import Marker
-from tracker.settings import BackoffPolicy, TopicPolicy
 from tracker.store import Store, StoreUnavailable
 from tracker.store.manager import PartitionProgress, PendingMarker
 from tracker.store.migrate import upgrade

@@ -17,10 +17,10 @@ from sqlalchemy import delete, select
 from support.counts import assert_counters_match, counters_and_recount
 from support.databases import sqlite_url
 
-from tracker.engine.entries import Entry, EntryKey, ResolvedPolicy, State
+from tracker.domain.entries import Entry, EntryKey, State
+from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId
 from tracker.protocol import Marker
-from tracker.settings import BackoffPolicy
 from tracker.store.admin import AdminStore, EntryFilter
 from tracker.store.dialects import keys_in
 from tracker.store.errors import Fenced

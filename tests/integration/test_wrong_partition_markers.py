@@ -21,7 +21,7 @@ from support.counts import assert_counters_match
 from api.app import create_app
 from api.context import ApiContext
 from tracker.client.markers import KafkaMarkerSink
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.engine.parking import INVALID_CATEGORY, INVALID_REASON, INVALID_SOURCE
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId

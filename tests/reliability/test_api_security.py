@@ -42,7 +42,7 @@ from integration.workload import high_watermarks
 from sqlalchemy import func, inspect, select
 
 from api.app import create_app
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.logs import JsonFormatter
 from tracker.store.models import Base
 

@@ -49,7 +49,7 @@ from integration.workload import high_watermarks
 from support.broker import TopicFactory, create_topics, delete_topics, unique_topic
 from support.databases import sqlite_url
 
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 from tracker.engine.parking import INVALID_CATEGORY, INVALID_SIZE, INVALID_SOURCE, INVALID_STUB
 from tracker.engine.process import Tracker
 from tracker.errors import MarkerError

@@ -25,13 +25,13 @@ import pytest
 from support.broker import unique_topic
 
 from tracker.clock import SystemClock
-from tracker.engine.entries import EntryKey, ResolvedPolicy
+from tracker.domain.entries import EntryKey
+from tracker.domain.policy import BackoffPolicy, ResolvedPolicy, TopicPolicy
 from tracker.engine.redeliver import Redeliverer
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord
 from tracker.metrics import Metrics
 from tracker.protocol import Marker
-from tracker.settings import BackoffPolicy, TopicPolicy
 from tracker.store import Store, StoreUnavailable
 from tracker.store.manager import PartitionProgress, PendingMarker
 from tracker.store.migrate import upgrade

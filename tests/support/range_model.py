@@ -10,11 +10,11 @@ from collections.abc import Iterable
 
 from hypothesis import strategies as st
 
-from tracker.engine.entries import Entry, ResolvedPolicy, apply_marker
+from tracker.domain.entries import Entry, apply_marker
+from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeKind, RangeMarker
-from tracker.settings import BackoffPolicy
 
 GROUP, TOPIC, PARTITION, MARKERS_PARTITION = "g", "orders", 2, 5
 WINDOW = 24  #: offsets 0..WINDOW-1: small, so markers collide often

@@ -15,7 +15,7 @@ from api.errors import ApiError, _is_json, _item
 from api.ids import decode_cursor, encode_cursor, format_message_id, parse_message_id
 from api.previews import bytes_preview
 from api.rates import CounterRates
-from tracker.engine.entries import Entry, State
+from tracker.domain.entries import Entry, State
 from tracker.engine.redrive import (
     REDRIVE_ITEM,
     REDRIVE_JOB,

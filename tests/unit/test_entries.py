@@ -6,17 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from tracker.engine.entries import (
-    Decision,
-    Entry,
-    ResolvedPolicy,
-    State,
-    apply_marker,
-    plan_due,
-)
+from tracker.domain.entries import Decision, Entry, State, apply_marker, plan_due
+from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId
 from tracker.protocol import Marker
-from tracker.settings import BackoffPolicy
 
 pytestmark = pytest.mark.unit
 

@@ -21,8 +21,8 @@ from support.range_model import (
     steps_with_times,
 )
 
-from tracker.engine.entries import State, entry_key, plan_due
-from tracker.engine.ranges import LaneMarker, LaneState, TrackedRange, expand, fold_lane
+from tracker.domain.entries import State, entry_key, plan_due
+from tracker.domain.ranges import LaneMarker, LaneState, TrackedRange, expand, fold_lane
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeMarker

@@ -9,13 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from tracker.cli import main
-from tracker.settings import (
-    BackoffPolicy,
-    ConfigFileError,
-    TrackerSettings,
-    load_settings,
-    unknown_environment,
-)
+from tracker.domain.policy import BackoffPolicy
+from tracker.settings import ConfigFileError, TrackerSettings, load_settings, unknown_environment
 
 pytestmark = pytest.mark.unit
 

@@ -28,9 +28,10 @@ from aiokafka.errors import KafkaError
 from aiokafka.structs import OffsetAndMetadata
 
 from tracker.clock import Clock, to_millis
-from tracker.engine.entries import EntryKey, PolicyLookup
+from tracker.domain.entries import EntryKey
+from tracker.domain.policy import PolicyLookup
+from tracker.domain.ranges import LaneKey, lane_of, touched
 from tracker.engine.parking import InvalidMarkerParker, Rejected
-from tracker.engine.ranges import LaneKey, lane_of, touched
 from tracker.metrics import Metrics
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import AnyMarker, RangeMarker, decode_batch

@@ -31,14 +31,14 @@ from prometheus_client import Counter
 
 from tracker import headers as h
 from tracker.clock import Clock, to_millis
+from tracker.domain.entries import Decision, Entry, EntryKey, Plan, State, plan_due
+from tracker.domain.policy import TopicPolicy
 from tracker.engine.copies import CopyBatches
-from tracker.engine.entries import Decision, Entry, EntryKey, Plan, State, plan_due
 from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.metrics import Metrics
-from tracker.settings import TopicPolicy
 from tracker.store import Store, StoreUnavailable
 from tracker.store.manager import DeadLetterRecord, StoredPayload
 

@@ -17,10 +17,10 @@ from typing import Any
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from tracker.engine.entries import ResolvedPolicy
+from tracker.domain.policy import ResolvedPolicy, TopicPolicy
 from tracker.kafka.admin import topic_retention_ms
 from tracker.protocol import AnyMarker
-from tracker.settings import TopicPolicy, TrackerSettings
+from tracker.settings import TrackerSettings
 
 log = logging.getLogger(__name__)
 

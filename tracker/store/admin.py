@@ -50,8 +50,8 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tracker.engine.entries import OPERATOR_PREFIX, Entry, EntryKey, State
-from tracker.engine.ranges import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.domain.entries import OPERATOR_PREFIX, Entry, EntryKey, State
+from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
 from tracker.errors import KmqError
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
@@ -704,7 +704,7 @@ class AdminStore:
         limit: int,
     ) -> list[EntryView]:
         """The first ``limit`` entries (in ``order``, after ``after``) that tracked ranges
-        stand for (``tracker/engine/ranges.py``): each open offset is an in-flight entry.
+        stand for (``tracker/domain/ranges.py``): each open offset is an in-flight entry.
 
         Ranges are read in (lane, first offset) order, or (due, lane, first offset): the
         first ``limit`` of them hold the first ``limit`` entries, because every range holds

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from sqlalchemy import Table, delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from tracker.engine.entries import Entry
+from tracker.domain.entries import Entry
 
 from .dialects import add_to_counters
 

@@ -43,8 +43,9 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql.dml import Update
 
-from tracker.engine.entries import Entry, EntryKey, PolicyLookup, State
-from tracker.engine.ranges import (
+from tracker.domain.entries import Entry, EntryKey, State
+from tracker.domain.policy import PolicyLookup
+from tracker.domain.ranges import (
     RANGE_COLUMN_NAMES,
     LaneKey,
     LaneMarker,
@@ -577,7 +578,7 @@ class Store:
 
         Markers fold in memory first, per lane (group, origin topic and partition: the unit
         whose markers are ordered), over the entries and tracked ranges they can reach
-        (``tracker/engine/ranges.py``): a START followed by its ACK, or a RANGE_START and the
+        (``tracker/domain/ranges.py``): a START followed by its ACK, or a RANGE_START and the
         RANGE_SETTLE of its whole batch, write nothing. Raises :class:`Fenced` (and applies
         nothing) if any partition is no longer ours.
         """

@@ -40,7 +40,7 @@ class Base(DeclarativeBase):
 
 
 class TrackedMessage(Base):
-    """One logical message per consumer group that is not yet done (see engine.entries)."""
+    """One logical message per consumer group that is not yet done (see domain.entries)."""
 
     __tablename__ = "tracked_messages"
 
@@ -108,7 +108,7 @@ class TrackedMessage(Base):
 class TrackedRangeRow(Base):
     """First deliveries in flight together, one row per range (migration 0004).
 
-    Written for v2 RANGE_START markers (see ``tracker/engine/ranges.py``): bit ``i`` of
+    Written for v2 RANGE_START markers (see ``tracker/domain/ranges.py``): bit ``i`` of
     ``open_bits`` (little-endian bytes) stands for the in-flight entry of offset
     ``first_offset + i``, with this row's deadline, consumer and times. ``first_offset`` is
     always the lowest open offset and ``last_offset`` the highest; the ranges of a lane

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tracker.engine.entries import State
+from tracker.domain.entries import State
 
 from .manager import (
     Store,

@@ -11,7 +11,7 @@ Semantics never depend on the representation: a range stands for exactly the per
 entries that v1 markers would have produced (each covered offset in flight, attempt 1, its own
 origin and copy, the range's deadline, consumer and times), and :func:`fold_lane` applies v1
 and v2 markers so that :func:`expand` of its result always equals what
-:func:`tracker.engine.entries.apply_marker` gives marker by marker (the property test in
+:func:`tracker.domain.entries.apply_marker` gives marker by marker (the property test in
 ``tests/unit/test_range_model.py`` checks exactly that). Where one offset of a range diverges (a
 v1 DELAY, REJECT, EXTEND or START for it, an ACK of a copy's origin, an operator action), it
 leaves the range and becomes an ordinary per-message entry; a partial RANGE_EXTEND or a START
@@ -28,7 +28,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from tracker.engine.entries import Entry, PolicyLookup, State, apply_marker
+from tracker.domain.entries import Entry, State, apply_marker
+from tracker.domain.policy import PolicyLookup
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeKind, RangeMarker, iter_bits

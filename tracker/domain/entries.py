@@ -9,11 +9,10 @@ in memory to coalesce markers (a START and its ACK fold into "no entry").
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from tracker.domain.policy import PolicyLookup
 from tracker.protocol import Marker, MarkerKind
-from tracker.settings import BackoffPolicy
 
 EntryKey = tuple[str, str, int, int]  # group, origin topic, origin partition, origin offset
 
@@ -57,18 +56,6 @@ class Entry:
     @property
     def key(self) -> EntryKey:
         return (self.group_id, self.origin_topic, self.origin_partition, self.origin_offset)
-
-
-@dataclass(frozen=True, slots=True)
-class ResolvedPolicy:
-    """The parts of a topic's policy the state machine needs, in milliseconds."""
-
-    processing_timeout_ms: int
-    backoff: BackoffPolicy
-    keep_payload_after_ms: int
-
-
-PolicyLookup = Callable[[str], ResolvedPolicy]
 
 
 def entry_key(marker: Marker) -> EntryKey:
