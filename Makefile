@@ -25,10 +25,11 @@ postgres: ## Start the local PostgreSQL server if it is down (used by the tests)
 	@scripts/ensure-postgres.sh
 
 .PHONY: lint
-lint: install ## ruff (lint + format check) and mypy (strict on tracker/ and api/)
+lint: install ## ruff (lint + format check), mypy (strict) and the layering contracts (lint-imports)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 .PHONY: browser
 browser: ## Install Chromium + chromedriver if missing (the console's browser tests need them)

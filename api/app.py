@@ -1,10 +1,10 @@
 """The FastAPI application factory.
 
 ``create_app(context)`` builds the app around an :class:`ApiContext` (the ``kmq-tracker run``
-process passes ``ApiContext.from_tracker(tracker)``); ``create_standalone_app(settings)``
-builds one that creates its own context at startup and closes it at shutdown, to serve the
-API alone (``uvicorn --factory api.app:create_standalone_app``). Nothing lives at module
-level: every app has its own settings, clients and metrics.
+process passes the context ``tracker.runtime`` made for its engine);
+``create_app_from_factory(settings, factory)`` builds one that creates its context at startup
+and closes it at shutdown, which is how ``tracker.runtime.create_standalone_app`` serves the
+API alone. Nothing lives at module level: every app has its own settings, clients and metrics.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.types import Scope
 
 from tracker import __version__
 from tracker.metrics import Metrics
-from tracker.settings import TrackerSettings, load_settings
+from tracker.settings import TrackerSettings
 
 from .console import install_console
 from .context import ApiContext
@@ -135,11 +135,6 @@ def create_app(context: ApiContext) -> FastAPI:
     return _build(context.settings, context, None)
 
 
-def create_standalone_app(settings: TrackerSettings | None = None) -> FastAPI:
-    """The API alone: its context (store, Kafka clients, redrive runner) lives with the app."""
-    resolved = settings or load_settings()
-
-    async def factory() -> ApiContext:
-        return await ApiContext.standalone(resolved)
-
-    return _build(resolved, None, factory)
+def create_app_from_factory(settings: TrackerSettings, factory: ContextFactory) -> FastAPI:
+    """The API with a context of its own: made by ``factory`` at startup, closed at shutdown."""
+    return _build(settings, None, factory)

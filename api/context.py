@@ -1,12 +1,13 @@
 """What the API works with: settings, store, Kafka clients, metrics, and the engine if any.
 
-Two ways to get one:
+The composition root (``tracker.runtime``) builds one, in two ways:
 
-* :meth:`ApiContext.from_tracker` in the ``kmq-tracker run`` process: the API shares the
-  tracker's store, producer, originals reader, clock and metrics, reports the engine's health,
-  and wakes its redelivery loop after an action changed a due time.
-* :meth:`ApiContext.standalone` to serve the API alone (``create_standalone_app``): it builds
-  its own store and Kafka clients from the settings, and runs redrive jobs itself.
+* ``engine_api_context(tracker)`` in the ``kmq-tracker run`` process: the API shares the
+  tracker's store, producer, originals reader, clock and metrics, reports the engine's health
+  (through the :class:`~tracker.ports.EngineHandle` port), and wakes its redelivery loop after
+  an action changed a due time.
+* ``standalone_api_context(settings)`` to serve the API alone (``create_standalone_app``): it
+  builds its own store and Kafka clients from the settings, and runs redrive jobs itself.
 
 Either way, the views that show what Kafka holds (payload previews, marker history) read
 through :class:`KafkaReads`: clients of the API's own, whose every read is awaited at most
@@ -20,30 +21,23 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from aiokafka import AIOKafkaProducer
+from typing import Any, TypeVar
 
 from tracker.client.markers import KafkaMarkerSink
-from tracker.clock import Clock, SystemClock, to_millis
-from tracker.engine.redeliver import OriginalsSource
-from tracker.engine.redrive import RedriveRunner
+from tracker.clock import Clock, to_millis
 from tracker.errors import ClientClosed
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsReader, OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner
 from tracker.kafka.security import kafka_client_options
 from tracker.metrics import Metrics
+from tracker.ports import EngineHandle, OriginalsSource, RedriveService
 from tracker.settings import TrackerSettings
 from tracker.store import Store, StoreUnavailable
 from tracker.store.admin import AdminStore
-from tracker.store.migrate import check_schema, upgrade
 
 from .models import Check, Readiness
 from .rates import CounterRates
-
-if TYPE_CHECKING:
-    from tracker.engine.process import Tracker
 
 log = logging.getLogger("api")
 
@@ -257,9 +251,10 @@ class ApiContext:
     admin: AdminStore
     #: The views' reads from Kafka, bounded by ``api_kafka_read_timeout`` (clients of their own).
     reads: KafkaReads
-    tracker: Tracker | None = None
+    #: The engine running in this process, if any (its health; woken after an action).
+    engine: EngineHandle | None = None
     #: A runner to wake when a job is created; run by the app itself when ``run_redrive``.
-    redrive: RedriveRunner | None = None
+    redrive: RedriveService | None = None
     run_redrive: bool = False
     #: History of the redeliveries counter, for per-topic redelivery rates.
     rates: CounterRates = field(init=False)
@@ -268,107 +263,14 @@ class ApiContext:
     def __post_init__(self) -> None:
         self.rates = CounterRates(self.metrics.redeliveries)
 
-    # -- construction ---------------------------------------------------------------------------
-
-    @classmethod
-    def from_tracker(cls, tracker: Tracker) -> ApiContext:
-        """Share the running tracker's clients (call after ``tracker.start()``)."""
-        settings = tracker.settings
-        producer: Any = tracker.producer
-        reads = _kafka_reads(settings)
-        redrive = getattr(tracker, "redrive", None)
-        context = cls(
-            settings=settings,
-            store=tracker.store,
-            metrics=tracker.metrics,
-            markers=KafkaMarkerSink(producer, settings.markers_topic),
-            producer=producer,
-            originals=tracker.originals,
-            # The API's own metadata reads (a redrive job's target topic) share the views'
-            # scanner: the tracker's is the engine's, and one more client would do nothing more.
-            scanner=reads.scanner,
-            clock=tracker.clock,
-            admin=AdminStore(tracker.store, settings.markers_topic),
-            reads=reads,
-            tracker=tracker,
-            redrive=redrive if isinstance(redrive, RedriveRunner) else None,
-        )
-        context._closers.append(reads.close)
-        return context
-
-    @classmethod
-    async def standalone(
-        cls,
-        settings: TrackerSettings,
-        *,
-        clock: Clock | None = None,
-        metrics: Metrics | None = None,
-        run_redrive: bool = True,
-    ) -> ApiContext:
-        """Build a store and Kafka clients of its own (close with :meth:`close`).
-
-        Refuses an outdated schema (``migrate_on_start`` migrates first), like the tracker.
-        """
-        closers: list[Closer] = []
-        try:
-            store = Store.from_url(settings.database_url)
-            closers.append(store.close)
-            if settings.migrate_on_start:
-                await upgrade(store.engine)
-            await check_schema(store.engine)
-            config = kafka_client_options(settings)
-            producer = AIOKafkaProducer(
-                bootstrap_servers=settings.kafka_bootstrap_servers,
-                acks="all",
-                linger_ms=2,
-                **config,
-            )
-            await producer.start()
-            closers.append(producer.stop)
-            originals = OriginalsReader(settings.kafka_bootstrap_servers, client_config=config)
-            await originals.start()
-            closers.append(originals.stop)
-            scanner = PartitionScanner(settings.kafka_bootstrap_servers, client_config=config)
-            closers.append(scanner.stop)
-            reads = _kafka_reads(settings)
-            closers.append(reads.close)
-        except BaseException:
-            await _close_all(closers)
-            raise
-        metrics = metrics or Metrics()
-        admin = AdminStore(store, settings.markers_topic)
-        clock = clock or SystemClock()
-        redrive = RedriveRunner(
-            admin=admin,
-            producer=producer,
-            originals=originals,
-            scanner=scanner,
-            owner=f"{settings.replica_id}/api",
-            metrics=metrics,
-            lease_seconds=settings.redrive_lease.total_seconds(),
-            clock=clock,
-        )
-        context = cls(
-            settings=settings,
-            store=store,
-            metrics=metrics,
-            markers=KafkaMarkerSink(producer, settings.markers_topic),
-            producer=producer,
-            originals=originals,
-            scanner=scanner,
-            clock=clock,
-            admin=admin,
-            reads=reads,
-            redrive=redrive,
-            run_redrive=run_redrive,
-        )
-        context._closers = closers
-        return context
+    def close_with(self, closer: Closer) -> None:
+        """Have :meth:`close` call ``closer`` (last added, first called)."""
+        self._closers.append(closer)
 
     async def close(self) -> None:
         """Close what this context opened (not what it shares with a tracker)."""
         closers, self._closers = self._closers, []
-        await _close_all(closers)
+        await close_all(closers)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -377,8 +279,8 @@ class ApiContext:
 
     def wake_redelivery(self, due_ms: int) -> None:
         """An action set a due time: wake the local redelivery loop if it would sleep past it."""
-        if self.tracker is not None:
-            self.tracker.redeliverer.notify_due(due_ms)
+        if self.engine is not None:
+            self.engine.wake_redelivery(due_ms)
 
     def wake_redrive(self) -> None:
         if self.redrive is not None:
@@ -406,8 +308,8 @@ class ApiContext:
             )
 
     async def _readiness(self) -> Readiness:
-        if self.tracker is not None:
-            health = await self.tracker.health()
+        if self.engine is not None:
+            health = await self.engine.health()
             owned = health.owned_partitions
             checks = {
                 "engine": Check(
@@ -453,7 +355,8 @@ class ApiContext:
         return Readiness(ready=all(c.ok for c in checks.values()), checks=checks)
 
 
-def _kafka_reads(settings: TrackerSettings) -> KafkaReads:
+def kafka_reads(settings: TrackerSettings) -> KafkaReads:
+    """The API's own bounded Kafka reads, from the settings."""
     return KafkaReads(
         settings.kafka_bootstrap_servers,
         kafka_client_options(settings),
@@ -461,7 +364,8 @@ def _kafka_reads(settings: TrackerSettings) -> KafkaReads:
     )
 
 
-async def _close_all(closers: list[Closer]) -> None:
+async def close_all(closers: list[Closer]) -> None:
+    """Call each of ``closers``, last first; a failure does not stop the others."""
     for close in reversed(closers):
         with contextlib.suppress(Exception):
             await close()

@@ -16,9 +16,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from tracker.errors import KmqError
-from tracker.settings import TrackerSettings
-
-from .app import create_standalone_app
 
 
 class ApiServerError(KmqError):
@@ -100,8 +97,3 @@ async def serve(
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-
-
-async def serve_standalone(settings: TrackerSettings, stopping: asyncio.Event) -> None:
-    """Serve the API alone (its own store and Kafka clients) on the configured address."""
-    await serve(create_standalone_app(settings), settings.http_host, settings.http_port, stopping)

@@ -38,7 +38,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from tracker.engine.process import Tracker
+from tracker.runtime import create_tracker
 from tracker.settings import TrackerSettings
 
 from . import markers as mk
@@ -138,7 +138,7 @@ async def tracker_ingest(
     ``valid``: how many of the records are valid markers (the rate counts only those).
     """
     total = sum(ends.values()) if valid is None else valid
-    tracker = Tracker(settings_for(infra, database_url, markers_topic))
+    tracker = create_tracker(settings_for(infra, database_url, markers_topic))
     ingested = tracker.metrics.markers_ingested
 
     def count() -> float:

@@ -30,6 +30,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tracker import headers as h
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
+from tracker.runtime import create_tracker
 
 from . import markers as mk
 from .common import (
@@ -53,7 +54,7 @@ COALESCE = timedelta(seconds=1)
 
 
 def _tracker(infra: Infra, url: str, markers: str, retry: str) -> Tracker:
-    return Tracker(
+    return create_tracker(
         settings_for(
             infra,
             url,

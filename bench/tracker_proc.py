@@ -1,7 +1,7 @@
 """A tracker replica with its admin API on real uvicorn, in its own process (for RSS and HTTP).
 
 ``python -m bench.tracker_proc SETTINGS_JSON PORT``: builds :class:`Tracker` from the JSON
-settings, serves ``api.app.create_app(ApiContext.from_tracker(tracker))`` on ``PORT``, prints
+settings, serves ``api.app.create_app(engine_api_context(tracker))`` on ``PORT``, prints
 ``READY`` once the API answers and the tracker owns markers partitions, and runs until SIGTERM.
 
 ``python -m bench.tracker_proc SETTINGS_JSON PORT api``: the admin API alone, as
@@ -40,8 +40,8 @@ async def _ready(port: int, waiting: Callable[[], bool], within: float = 60) -> 
 
 
 async def _api_only(settings_json: str, port: int) -> None:
-    from api.app import create_standalone_app  # noqa: PLC0415
     from api.server import serve  # noqa: PLC0415
+    from tracker.runtime import create_standalone_app  # noqa: PLC0415
     from tracker.settings import TrackerSettings  # noqa: PLC0415
 
     logging.basicConfig(level=logging.ERROR)
@@ -61,19 +61,18 @@ async def _api_only(settings_json: str, port: int) -> None:
 
 async def _main(settings_json: str, port: int) -> None:
     from api.app import create_app  # noqa: PLC0415
-    from api.context import ApiContext  # noqa: PLC0415
     from api.server import serve  # noqa: PLC0415
-    from tracker.engine.process import Tracker  # noqa: PLC0415
+    from tracker.runtime import create_tracker, engine_api_context  # noqa: PLC0415
     from tracker.settings import TrackerSettings  # noqa: PLC0415
 
     logging.basicConfig(level=logging.ERROR)
     settings = TrackerSettings(**json.loads(settings_json))
-    tracker = Tracker(settings)
+    tracker = create_tracker(settings)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stopping.set)
     await tracker.start()
-    context = ApiContext.from_tracker(tracker)
+    context = engine_api_context(tracker)
     server = asyncio.create_task(serve(create_app(context), "127.0.0.1", port, stopping))
     try:
         await _ready(port, lambda: not tracker.ingest.owned_epochs())

@@ -55,9 +55,9 @@ async def _run(settings: TrackerSettings) -> None:
     startup cancels the startup instead; ``Tracker.start`` then closes what it had opened.
     Only the first signal acts: a second one must not interrupt that cleanup.
     """
-    from tracker.engine.process import Tracker  # noqa: PLC0415 - keep `--help` fast
+    from tracker.runtime import create_tracker  # noqa: PLC0415 - keep `--help` fast
 
-    tracker = Tracker(settings)
+    tracker = create_tracker(settings)
     startup = asyncio.create_task(tracker.start(), name="kmq-startup")
     signalled = False
 
@@ -113,7 +113,7 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 def _cmd_api(args: argparse.Namespace) -> int:
     """Serve the admin API alone (own store and Kafka clients; runs redrive jobs)."""
-    from api.server import serve_standalone  # noqa: PLC0415
+    from tracker.runtime import serve_standalone  # noqa: PLC0415
 
     settings = _settings(args)
 

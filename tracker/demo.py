@@ -143,8 +143,8 @@ async def work(narrator: Narrator, who: str, bootstrap: str, stopping: asyncio.E
 
 
 async def demo(bootstrap: str, workdir: Path, duration: float | None) -> Counter[str]:
-    from tracker.engine.process import Tracker  # noqa: PLC0415
     from tracker.kafka.admin import ensure_topic  # noqa: PLC0415
+    from tracker.runtime import create_tracker  # noqa: PLC0415
     from tracker.settings import TrackerSettings  # noqa: PLC0415
 
     narrator = Narrator()
@@ -178,7 +178,7 @@ async def demo(bootstrap: str, workdir: Path, duration: float | None) -> Counter
     narrator.say("demo", f"broker {bootstrap}, store {workdir / 'kmq-demo.db'}; Ctrl-C stops")
     if port:
         narrator.say("demo", f"admin API: http://127.0.0.1:{port}/docs (try GET /v1/topics)")
-    async with Tracker(settings, on_event=on_event):
+    async with create_tracker(settings, on_event=on_event):
         tasks = [
             asyncio.create_task(produce(narrator, bootstrap, stopping)),
             asyncio.create_task(work(narrator, "worker-1", bootstrap, stopping)),

@@ -27,6 +27,18 @@ DELIVER_AT = "kmq-deliver-at"
 
 RESERVED_PREFIX = "kmq-"
 
+# -- on the copies of malformed markers parked in the invalid-markers topic
+#: Why the marker was refused, and its category (``kmq_invalid_markers_total``'s label).
+INVALID_REASON = "kmq-invalid-reason"
+INVALID_CATEGORY = "kmq-invalid-category"
+#: ``topic/partition/offset`` of the refused record in the markers topic.
+INVALID_SOURCE = "kmq-invalid-source"
+#: The refused record's own timestamp (decimal ms; the parked copy is stamped when parked).
+INVALID_TIMESTAMP = "kmq-invalid-timestamp"
+#: On a stub: why the broker refused the raw record, and the size of its key + value.
+INVALID_STUB = "kmq-invalid-stub"
+INVALID_SIZE = "kmq-invalid-size"
+
 Headers = Sequence[tuple[str, bytes | None]]
 
 

@@ -21,6 +21,7 @@ Design choices, in short:
 from __future__ import annotations
 
 import enum
+import importlib
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -605,7 +606,9 @@ def _c_decoder() -> Any:
     if os.environ.get("KMQ_PURE_PYTHON"):
         return None
     try:
-        from tracker import _speedups  # type: ignore[attr-defined]  # noqa: PLC0415
+        # By name, not ``from tracker import _speedups``: that reads as an import of the
+        # package itself, which imports this module (a cycle to the import contracts).
+        _speedups = importlib.import_module("tracker._speedups")
     except ImportError:
         return None
     _speedups.configure(Marker, _KINDS, MarkerError, RangeMarker, _RANGE_KINDS)

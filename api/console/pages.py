@@ -125,9 +125,9 @@ async def _health(context: ApiContext, rows: list[MarkersPartitionState]) -> Tra
         else None
     )
     engine = None
-    if context.tracker is not None:
+    if context.engine is not None:
         # Not tracker.health(): its store ping waits behind ingest's writes on SQLite.
-        running, last_error = context.tracker.engine_state()
+        running, last_error = context.engine.engine_state()
         engine = "running" if running else "not running"
         if last_error:
             engine += f" (last error: {last_error})"

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from tracker.engine.parking import (
+from tracker.headers import (
     INVALID_CATEGORY,
     INVALID_REASON,
     INVALID_SIZE,

@@ -23,8 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from api.context import ApiContext
-from tracker.engine.process import Tracker
+from tracker.runtime import create_tracker, engine_api_context
 from tracker.settings import TrackerSettings
 
 from .charts import CHART, KUBE_VERSION, NAMESPACE, RELEASE, ROOT, Rendered, render, validate
@@ -587,7 +586,7 @@ async def scrape_live_tracker(
         api_token="alert-rules-test-token",  # noqa: S106 - a test value
         http_port=0,
     )
-    async with Tracker(settings) as tracker:
+    async with create_tracker(settings) as tracker:
         registry = tracker.metrics.registry
         await eventually(
             lambda: registry.get_sample_value("kmq_owned_markers_partitions") == partitions,
@@ -601,7 +600,7 @@ async def scrape_live_tracker(
             ),
             "the tracker to report the markers lag of every partition it owns",
         )
-        context = ApiContext.from_tracker(tracker)
+        context = engine_api_context(tracker)
         try:
             transport = httpx.ASGITransport(app=create_app(context))
             async with httpx.AsyncClient(transport=transport, base_url="http://kmq.test") as client:

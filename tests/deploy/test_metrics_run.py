@@ -21,13 +21,12 @@ from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from api.context import ApiContext
 from tracker import docs_config
 from tracker.client.markers import KafkaMarkerSink
-from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.metrics import Metrics
 from tracker.protocol import Marker
+from tracker.runtime import create_tracker, engine_api_context
 from tracker.settings import TrackerSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -84,7 +83,7 @@ async def test_metrics_endpoint_exposes_every_documented_metric(
             await producer.send_and_wait(topic, f"job-{i}".encode(), partition=0)
         sink = KafkaMarkerSink(producer, markers)
         at = [MessageId(topic, 0, offset) for offset in range(5)]
-        async with Tracker(settings) as tracker:
+        async with create_tracker(settings) as tracker:
             m = tracker.metrics
             await sink.send_all(
                 [
@@ -108,7 +107,7 @@ async def test_metrics_endpoint_exposes_every_documented_metric(
                 lambda: value(m, "kmq_markers_invalid_total", reason="malformed") >= 1, "invalid"
             )
 
-            context = ApiContext.from_tracker(tracker)
+            context = engine_api_context(tracker)
             try:
                 transport = httpx.ASGITransport(app=create_app(context))
                 async with httpx.AsyncClient(

@@ -27,10 +27,10 @@ from integration.engine_support import FAST_GROUP, TopicWatcher, eventually, tra
 
 from tracker.client import KmqProducer
 from tracker.domain.entries import State
-from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker, MarkerKind, decode_marker
 from tracker.protocol_v2 import RangeKind, RangeMarker
+from tracker.runtime import create_tracker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -108,7 +108,7 @@ async def test_readme_client_tour_runs(
     async with (
         TopicWatcher(kafka_bootstrap, topic, markers) as seen,
         running(namespace["main"]()) as task,  # joins its group while the tracker joins its own
-        Tracker(settings) as tracker,
+        create_tracker(settings) as tracker,
     ):
 
         def record(value: bytes) -> MessageId:

@@ -21,6 +21,7 @@ from support.counts import assert_counters_match
 from api.app import create_app
 from api.context import ApiContext
 from tracker.domain.entries import Entry, State
+from tracker.runtime import standalone_api_context
 from tracker.settings import TrackerSettings
 from tracker.store.admin import actions_table, items_table, jobs_table
 from tracker.store.counts import CountChanges
@@ -98,7 +99,7 @@ async def api_env(
     bootstrap: str, database_url: str, markers: str, **overrides: Any
 ) -> AsyncIterator[ApiEnv]:
     settings = api_settings(bootstrap, database_url, markers, **overrides)
-    context = await ApiContext.standalone(settings, run_redrive=False)
+    context = await standalone_api_context(settings, run_redrive=False)
     try:
         await reset_tables(context)
         transport = httpx.ASGITransport(app=create_app(context))

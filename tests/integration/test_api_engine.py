@@ -19,6 +19,7 @@ from api.context import ApiContext
 from tracker import headers as h
 from tracker.engine.process import Tracker
 from tracker.engine.redrive import REDRIVE_JOB, RedriveRunner
+from tracker.runtime import create_tracker, engine_api_context
 
 from .api_support import bearer, client_for
 from .engine_support import TopicWatcher, eventually, tracker_settings
@@ -41,8 +42,8 @@ async def tracker_api(
         default_policy={"processing_timeout": 600, "max_attempts": 5},
         claim_lease=timedelta(seconds=5),
     )
-    async with Tracker(settings) as tracker:
-        context = ApiContext.from_tracker(tracker)
+    async with create_tracker(settings) as tracker:
+        context = engine_api_context(tracker)
         try:
             async with client_for(
                 httpx.ASGITransport(app=create_app(context)), bearer(TOKEN)

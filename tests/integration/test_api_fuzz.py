@@ -50,6 +50,7 @@ from api.app import create_app
 from api.context import ApiContext
 from api.server import serve
 from tracker.domain.entries import State
+from tracker.runtime import standalone_api_context
 from tracker.store.admin import DeadLetterFilter, RedriveSpec
 
 from .api_support import (
@@ -197,7 +198,7 @@ class ServedApp:
         dlq = await create_topic(self.bootstrap, 1, prefix="fuzz-orders-dlq")
         self.topics = [markers, origin, dlq]
         settings_ = api_settings(self.bootstrap, self.database_url, markers)
-        context = await ApiContext.standalone(settings_, run_redrive=True)
+        context = await standalone_api_context(settings_, run_redrive=True)
         try:
             await reset_tables(context)
             await self._seed(context, origin, dlq)

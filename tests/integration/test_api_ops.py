@@ -12,9 +12,10 @@ import httpx
 import pytest
 from support.broker import unique_topic
 
-from api.app import create_app, create_standalone_app
+from api.app import create_app
 from api.server import ApiServerError, serve
 from tracker.domain.entries import State
+from tracker.runtime import create_standalone_app
 
 from .api_support import (
     ADMIN_TOKEN,

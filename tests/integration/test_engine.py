@@ -25,6 +25,7 @@ from tracker.domain.entries import State
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import Marker, MarkerKind, decode_marker
+from tracker.runtime import create_tracker
 from tracker.store.dialects import create_engine
 
 from .engine_support import Seen, TopicWatcher, consumer, eventually, tracker_settings
@@ -53,7 +54,7 @@ async def env(
 @contextlib.asynccontextmanager
 async def running_tracker(env: dict[str, str], **overrides: Any) -> AsyncIterator[Tracker]:
     settings = tracker_settings(env["bootstrap"], env["database_url"], env["markers"], **overrides)
-    async with Tracker(settings) as tracker:
+    async with create_tracker(settings) as tracker:
         yield tracker
     # Stopped: whatever the engine wrote, the entry counters match the entries.
     engine = create_engine(env["database_url"])

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaProducer
 from support.broker import TopicFactory, unique_topic
+from support.engine_parts import FixedProgress
 
 from tracker.client.planning import SeenCopies
 from tracker.clock import Clock, ManualClock, SystemClock, to_millis
@@ -128,9 +129,11 @@ class Setup:
             producer=producer,
             originals=originals,
             markers_topic=self.markers,
-            owned_epochs=owned or (lambda: dict(self.epochs)),
-            safe_until=lambda: {0: to_millis(clock.now())},
-            pending_keys=pending_keys or (lambda _keys: set()),
+            progress=FixedProgress(
+                owned=owned or (lambda: dict(self.epochs)),
+                safe=lambda: {0: to_millis(clock.now())},
+                pending=pending_keys or (lambda _keys: set()),
+            ),
             policy_for=lambda _topic: TopicPolicy(max_attempts=10),
             clock=clock,
             metrics=Metrics(),

@@ -24,11 +24,11 @@ from aiokafka import AIOKafkaProducer
 from support.broker import TopicFactory, create_topics, delete_topics, unique_topic
 
 from tracker.client.markers import KafkaMarkerSink
-from tracker.engine.process import Tracker
 from tracker.engine.redeliver import TrackerEvent
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
 from tracker.protocol import Marker
+from tracker.runtime import create_tracker
 
 from .engine_support import TopicWatcher, eventually, tracker_settings
 from .workload import Ledger, Worker, copy_identity, high_watermarks, produce_over_time
@@ -49,7 +49,7 @@ class Replica:
         self.redelivered: list[tuple[MessageId, int]] = []
         self.redelivered_from: list[int] = []  #: markers partition of each redelivered entry
         self.other_events: list[TrackerEvent] = []
-        self.tracker = Tracker(
+        self.tracker = create_tracker(
             tracker_settings(**settings_kw, replica_id=name), on_event=self._event
         )
         self.owned_history: list[tuple[int, int]] = []  #: (partition, epoch) as first seen

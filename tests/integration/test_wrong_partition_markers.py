@@ -19,14 +19,14 @@ from aiokafka import AIOKafkaProducer
 from support.counts import assert_counters_match
 
 from api.app import create_app
-from api.context import ApiContext
 from tracker.client.markers import KafkaMarkerSink
 from tracker.domain.entries import State
-from tracker.engine.parking import INVALID_CATEGORY, INVALID_REASON, INVALID_SOURCE
 from tracker.engine.process import Tracker
+from tracker.headers import INVALID_CATEGORY, INVALID_REASON, INVALID_SOURCE
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import Marker, decode_marker, encode_marker
+from tracker.runtime import create_tracker, engine_api_context
 from tracker.store.dialects import create_engine
 
 from .api_support import bearer, client_for
@@ -53,8 +53,8 @@ async def tracker_api(
         api_token=TOKEN,
         default_policy={"processing_timeout": 600, "max_attempts": 5},
     )
-    async with Tracker(settings) as tracker:
-        context = ApiContext.from_tracker(tracker)
+    async with create_tracker(settings) as tracker:
+        context = engine_api_context(tracker)
         try:
             async with client_for(
                 httpx.ASGITransport(app=create_app(context)), bearer(TOKEN)

@@ -31,10 +31,10 @@ from integration.workload import high_watermarks
 from support.broker import TopicFactory, unique_topic
 
 from tracker import headers as h
-from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import Marker, encode_marker
+from tracker.runtime import create_tracker
 
 from .harness import (
     Figures,
@@ -154,7 +154,7 @@ async def test_tracker_starts_on_a_huge_backlog(
     max_pending = 0.0
     first_copy_s: float | None = None
     async with contextlib.AsyncExitStack() as stack:
-        tracker = Tracker(settings)
+        tracker = create_tracker(settings)
         t0 = loop.time()
         await tracker.start()
         stack.push_async_callback(tracker.close)

@@ -47,6 +47,7 @@ from tracker.client import KmqMessage, KmqProducer
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import MarkerKind, decode_marker
+from tracker.runtime import create_tracker
 from tracker.store import StoreUnavailable
 
 from .harness import (
@@ -163,7 +164,7 @@ async def test_broker_dropped_then_stalled_loses_nothing(postgres_url: str, tmp_
         phases: dict[str, float] = {}
         health = HealthLog()
         async with contextlib.AsyncExitStack() as stack:
-            tracker = Tracker(settings)
+            tracker = create_tracker(settings)
             await tracker.start()
             stack.push_async_callback(tracker.close)
             await wait_until(

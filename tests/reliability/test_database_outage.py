@@ -48,6 +48,7 @@ from support.private_postgres import PrivatePostgres
 from tracker.client import KmqMessage
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
+from tracker.runtime import create_tracker
 
 from .harness import (
     ResilientWorker,
@@ -249,7 +250,7 @@ async def run_outage(
     log = OutageLog()
     phases: dict[str, float] = {}
     async with contextlib.AsyncExitStack() as stack:
-        tracker = Tracker(settings)
+        tracker = create_tracker(settings)
         await tracker.start()
         stack.push_async_callback(tracker.close)
         await wait_until(

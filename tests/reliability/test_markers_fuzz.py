@@ -50,9 +50,9 @@ from support.broker import TopicFactory, create_topics, delete_topics, unique_to
 from support.databases import sqlite_url
 
 from tracker.domain.entries import State
-from tracker.engine.parking import INVALID_CATEGORY, INVALID_SIZE, INVALID_SOURCE, INVALID_STUB
 from tracker.engine.process import Tracker
 from tracker.errors import MarkerError
+from tracker.headers import INVALID_CATEGORY, INVALID_SIZE, INVALID_SOURCE, INVALID_STUB
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import (
@@ -65,6 +65,7 @@ from tracker.protocol import (
     encode_marker,
 )
 from tracker.protocol_v2 import RangeKind, RangeMarker
+from tracker.runtime import create_tracker
 from tracker.store import Store
 
 from .harness import (
@@ -155,7 +156,7 @@ async def tracker_on(
         "kafka_consumer_config": dict(FAST_GROUP),
     }
     settings = tracker_settings(bootstrap, database_url, markers, **(values | overrides))
-    tracker = Tracker(settings)
+    tracker = create_tracker(settings)
     try:
         await tracker.start()
         yield tracker

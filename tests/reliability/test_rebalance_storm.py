@@ -30,9 +30,9 @@ from integration.workload import Ledger, message_index, produce_over_time
 from support.broker import TopicFactory, unique_topic
 
 from tracker.client import KmqMessage
-from tracker.engine.process import Tracker
 from tracker.engine.redeliver import TrackerEvent
 from tracker.ids import MessageId
+from tracker.runtime import create_tracker
 
 from .harness import (
     SOAK,
@@ -64,7 +64,7 @@ class Replica:
     def __init__(self, name: str, settings_kw: dict[str, Any]) -> None:
         self.name = name
         self.copies: list[tuple[MessageId, int]] = []
-        self.tracker = Tracker(
+        self.tracker = create_tracker(
             tracker_settings(**settings_kw, replica_id=name), on_event=self._event
         )
 

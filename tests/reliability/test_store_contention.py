@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 
 import pytest
 from support.broker import unique_topic
+from support.engine_parts import FixedProgress
 
 from tracker.clock import SystemClock
 from tracker.domain.entries import EntryKey
@@ -104,9 +105,11 @@ async def test_ingest_and_redelivery_on_the_same_entries_never_deadlock(
         producer=None,
         originals=NoOriginals(),
         markers_topic=markers,
-        owned_epochs=lambda: {0: epoch},
-        safe_until=lambda: {0: int(time.time() * 1000)},
-        pending_keys=pending_keys,
+        progress=FixedProgress(
+            owned=lambda: {0: epoch},
+            safe=lambda: {0: int(time.time() * 1000)},
+            pending=pending_keys,
+        ),
         policy_for=lambda _topic: TopicPolicy(),
         clock=SystemClock(),
         metrics=Metrics(),

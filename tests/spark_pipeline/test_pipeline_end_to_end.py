@@ -34,9 +34,9 @@ from pipeline.report import build_report, write_report
 from pipeline.session import CODE_DIR
 from tracker.client import KmqMessage, KmqProducer
 from tracker.client.markers import KafkaMarkerSink
-from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import Marker
+from tracker.runtime import create_tracker
 
 from .standalone import standalone_cluster
 from .workload import high_watermarks, read_topic
@@ -82,7 +82,7 @@ async def _workload(world: World, database_url: str) -> None:
         default_policy={"processing_timeout": 5, "max_attempts": 3},
     )
     acks: list[str] = []
-    async with Tracker(settings) as tracker:
+    async with create_tracker(settings) as tracker:
         async with KmqProducer(bootstrap) as producer:
             for kind, count in PLAN.items():
                 for i in range(count):

@@ -17,16 +17,13 @@ from aiokafka.errors import (
     RequestTimedOutError,
 )
 
-from tracker.engine.parking import (
+from tracker.engine.parking import LOG_EACH_PER_WINDOW, LOG_WINDOW_S, InvalidMarkerParker, Rejected
+from tracker.headers import (
     INVALID_CATEGORY,
     INVALID_SIZE,
     INVALID_SOURCE,
     INVALID_STUB,
     INVALID_TIMESTAMP,
-    LOG_EACH_PER_WINDOW,
-    LOG_WINDOW_S,
-    InvalidMarkerParker,
-    Rejected,
 )
 
 pytestmark = pytest.mark.unit

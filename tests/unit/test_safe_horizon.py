@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
+from support.engine_parts import RecordingListener
 
 from tracker.clock import ManualClock, to_millis
 from tracker.engine.ingest import MarkerIngest, _Partition
@@ -54,7 +55,7 @@ def ingest_over(
     consumer: Any,
     clock: ManualClock,
     partitions: list[int],
-    on_caught_up: Any = None,
+    listener: RecordingListener | None = None,
 ) -> MarkerIngest:
     ingest = MarkerIngest(
         consumer=consumer,
@@ -69,7 +70,7 @@ def ingest_over(
         ack_grace_ms=GRACE_MS,
         max_records=100,
         max_pending=1000,
-        on_caught_up=on_caught_up,
+        listener=listener,
     )
     for p in partitions:
         ingest._owned[p] = _Partition(epoch=1, applied_next=0)
@@ -86,8 +87,9 @@ async def test_the_horizon_follows_every_response_read_past_not_only_the_newest(
     clock: ManualClock,
 ) -> None:
     state = FakeConsumer()
-    told: list[int] = []  # what the redelivery loop is told (it wakes if something is due)
-    ingest = ingest_over(state, clock, [0], on_caught_up=told.append)
+    heard = RecordingListener()  # what the redelivery loop is told (it wakes if something is due)
+    told = heard.horizons
+    ingest = ingest_over(state, clock, [0], listener=heard)
     now = to_millis(clock.now())
 
     state.respond(0, highwater=10, ago_ms=300)

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ from tracker.domain.entries import EntryKey
 from tracker.domain.policy import PolicyLookup
 from tracker.domain.ranges import LaneKey, lane_of, touched
 from tracker.engine.parking import InvalidMarkerParker, Rejected
+from tracker.engine.signals import IngestListener, NoListener
 from tracker.metrics import Metrics
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import AnyMarker, RangeMarker, decode_batch
@@ -107,9 +108,7 @@ class MarkerIngest:
         max_records: int,
         max_pending: int,
         check_marker: MarkerCheck | None = None,
-        on_due: Callable[[int], None] | None = None,
-        on_ownership: Callable[[], None] | None = None,
-        on_caught_up: Callable[[int], None] | None = None,
+        listener: IngestListener | None = None,
         poll_wait: float = 0.2,
     ) -> None:
         self._consumer = consumer
@@ -137,9 +136,7 @@ class MarkerIngest:
         self._next_flush = 0.0  #: monotonic time before which no new flush starts
         self._flush_interval = min(FLUSH_INTERVAL, self._window / 2)
         self._check = check_marker
-        self._on_due = on_due or (lambda _due: None)
-        self._on_ownership = on_ownership or (lambda: None)
-        self._on_caught_up = on_caught_up or (lambda _safe: None)
+        self._listener: IngestListener = listener or NoListener()
         self._owned: dict[int, _Partition] = {}
         self._unclaimed: set[int] = set()  #: assigned, but the store could not be reached
         self._lock = asyncio.Lock()  #: serializes polls with rebalance callbacks
@@ -232,7 +229,7 @@ class MarkerIngest:
         self._unclaimed.clear()
         self._consumer.resume(*tps)
         self._metrics.owned_partitions.set(len(self._owned))
-        self._on_ownership()
+        self._listener.ownership_changed()
 
     async def _revoke(self, partitions: set[int]) -> None:
         async with self._lock:
@@ -254,7 +251,7 @@ class MarkerIngest:
             except StoreUnavailable as exc:
                 log.warning("could not release partitions %s: %s", sorted(mine), exc)
             self._metrics.owned_partitions.set(len(self._owned))
-            self._on_ownership()
+            self._listener.ownership_changed()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -468,7 +465,7 @@ class MarkerIngest:
                     state.caught_up_ms = caught_up
                     advanced = caught_up if advanced is None else max(advanced, caught_up)
         if advanced is not None:
-            self._on_caught_up(advanced - self._grace_ms)  # what safe_until now allows
+            self._listener.caught_up(advanced - self._grace_ms)  # what safe_until now allows
         answering = self.broker_answering()
         if not answering and self.broker_ok:
             log.warning("no fetch response from the broker for %.0f s", BROKER_SILENCE_MS / 1000)
@@ -572,7 +569,7 @@ class MarkerIngest:
                 )
             await self._parker.park_anomalies(result.anomalies)
         if result.earliest_due_ms is not None:
-            self._on_due(result.earliest_due_ms)
+            self._listener.due(result.earliest_due_ms)
 
     async def _commit(self, progress: dict[int, PartitionProgress]) -> None:
         offsets = {
@@ -625,7 +622,7 @@ class MarkerIngest:
         tps = [TopicPartition(self._topic, p) for p in partitions]
         self._consumer.pause(*tps)
         self._metrics.owned_partitions.set(len(self._owned))
-        self._on_ownership()
+        self._listener.ownership_changed()
 
     def _store_failed(self, exc: Exception) -> None:
         if self.store_ok:

@@ -36,19 +36,19 @@ from aiokafka.errors import (
     RecordTooLargeError,
 )
 
+from tracker.headers import (
+    INVALID_CATEGORY,
+    INVALID_REASON,
+    INVALID_SIZE,
+    INVALID_SOURCE,
+    INVALID_STUB,
+    INVALID_TIMESTAMP,
+)
 from tracker.protocol import encode_any
 from tracker.store.manager import PendingMarker
 
 log = logging.getLogger(__name__)
 
-INVALID_REASON = "kmq-invalid-reason"
-INVALID_CATEGORY = "kmq-invalid-category"
-INVALID_SOURCE = "kmq-invalid-source"
-#: The refused record's own timestamp (decimal ms; the parked copy is stamped when parked).
-INVALID_TIMESTAMP = "kmq-invalid-timestamp"
-#: On a stub: why the broker refused the raw record, and the size of its key + value.
-INVALID_STUB = "kmq-invalid-stub"
-INVALID_SIZE = "kmq-invalid-size"
 
 #: Broker refusals of a parked record for what it contains: sending the same bytes again can
 #: never succeed. A stamp the broker finds out of range is one of them: the producer's clock

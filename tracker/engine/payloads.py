@@ -13,11 +13,11 @@ import logging
 from collections.abc import Callable
 
 from tracker.clock import Clock, to_millis
-from tracker.engine.redeliver import OriginalsSource
 from tracker.engine.wakeup import wait_any
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalsUnavailable
 from tracker.metrics import Metrics
+from tracker.ports import OriginalsSource
 from tracker.store import Store, StoreUnavailable
 from tracker.store.manager import StoredPayload
 

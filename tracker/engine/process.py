@@ -1,7 +1,10 @@
-"""The tracker process: builds every part from the settings and runs them until stopped.
+"""The tracker's engine: builds its parts from the settings and runs them until stopped.
 
-``Tracker`` is the app factory and supervisor: it owns the store, the Kafka clients and the
-side tasks (ingest, redelivery, payload keeper), each a named task driven by one stop event.
+``Tracker`` is the engine's factory and supervisor: it owns the store, the Kafka clients and
+the side tasks (ingest, redelivery, payload keeper, redrive jobs), each a named task driven by
+one stop event, and runs the services it is given beside them (the API, which
+``tracker.runtime.create_tracker`` hands over: the engine never imports it). Ingest reaches
+the other loops through ``tracker.engine.signals`` (:class:`EngineWakeups`).
 ``await tracker.run()`` runs until :meth:`Tracker.stop` (SIGTERM in ``kmq-tracker run``); on
 the way out it finishes the current batch, applies what it read, commits and closes.
 """
@@ -11,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -32,6 +33,7 @@ from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
 from tracker.kafka.security import kafka_client_options
 from tracker.metrics import Metrics
+from tracker.ports import EngineHealth
 from tracker.settings import TrackerSettings
 from tracker.store import Store, StoreUnavailable
 from tracker.store.admin import AdminStore
@@ -50,19 +52,45 @@ def _retrieve_outcome(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
-@dataclass(frozen=True, slots=True)
-class Health:
-    """What readiness is made of."""
+class TrackerService(Protocol):
+    """A part that runs beside the engine in the tracker's process (the API).
 
-    running: bool
-    store_ok: bool
-    broker_ok: bool
-    owned_partitions: list[int]
-    last_error: str | None
+    The engine knows nothing of what it is: ``tracker.runtime`` builds it and hands it over.
+    """
 
-    @property
-    def ready(self) -> bool:
-        return self.running and self.store_ok and self.broker_ok
+    name: str
+
+    def bind(self) -> None:
+        """Take what can fail fast (a listening port) before the database or Kafka is touched."""
+        ...
+
+    def serve(self, engine: Tracker, stopping: asyncio.Event) -> Coroutine[Any, Any, None]:
+        """What to run as a side task once the engine runs, until ``stopping`` is set."""
+        ...
+
+    async def close(self) -> None:
+        """Release what :meth:`bind` and :meth:`serve` took (also when never served)."""
+        ...
+
+
+class EngineWakeups:
+    """The :class:`~tracker.engine.signals.IngestListener` of a tracker: ingest's news goes
+    to the loops that sleep on it (redelivery, the payload keeper)."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self._tracker = tracker
+
+    def due(self, due_ms: int) -> None:
+        self._tracker.redeliverer.notify_due(due_ms)
+        self._tracker.payloads.notify()
+
+    def caught_up(self, safe_ms: int) -> None:
+        self._tracker.redeliverer.notify_safe(safe_ms)
+
+    def ownership_changed(self) -> None:
+        self._tracker.redeliverer.notify_ownership()
+        self._tracker.payloads.notify()
+        self._tracker.warn_if_sqlite_shared()
 
 
 #: The markers consumer's fetch settings unless ``kafka_consumer_config`` says otherwise. The
@@ -88,8 +116,10 @@ class Tracker:
         clock: Clock | None = None,
         metrics: Metrics | None = None,
         on_event: EventHook | None = None,
+        services: Sequence[TrackerService] = (),
     ) -> None:
         self.settings = settings
+        self._services = list(services)
         self.clock: Clock = clock or SystemClock()
         self.metrics = metrics or Metrics()
         self.store = Store.from_url(settings.database_url)
@@ -126,9 +156,7 @@ class Tracker:
             max_records=settings.ingest_max_records,
             max_pending=settings.max_pending_markers,
             check_marker=self.catalog,
-            on_due=self._due,
-            on_ownership=self._ownership_changed,
-            on_caught_up=self._caught_up,
+            listener=EngineWakeups(self),
             # A poll waits no longer than a fetch does: the horizon moves with each answer.
             poll_wait=max(0.01, int(markers_fetch.get("fetch_max_wait_ms", 500)) / 1000),
         )
@@ -137,9 +165,7 @@ class Tracker:
             producer=self._producer,
             originals=self.originals,
             markers_topic=settings.markers_topic,
-            owned_epochs=self.ingest.owned_epochs,
-            safe_until=self.ingest.safe_until,
-            pending_keys=self.ingest.pending_keys,
+            progress=self.ingest,
             policy_for=self.catalog.policy,
             clock=self.clock,
             metrics=self.metrics,
@@ -168,8 +194,6 @@ class Tracker:
             lease_seconds=settings.redrive_lease.total_seconds(),
             clock=self.clock,
         )
-        self._api: Any = None
-        self._http_socket: socket.socket | None = None
         self._stopping = asyncio.Event()
         self._started = False
         self._running = False
@@ -178,19 +202,7 @@ class Tracker:
 
     # -- wiring ---------------------------------------------------------------------------
 
-    def _due(self, due_ms: int) -> None:
-        self.redeliverer.notify_due(due_ms)
-        self.payloads.notify()
-
-    def _caught_up(self, safe_ms: int) -> None:
-        self.redeliverer.notify_safe(safe_ms)
-
-    def _ownership_changed(self) -> None:
-        self.redeliverer.notify_ownership()
-        self.payloads.notify()
-        self._warn_if_sqlite_shared()
-
-    def _warn_if_sqlite_shared(self) -> None:
+    def warn_if_sqlite_shared(self) -> None:
         """SQLite is single-replica: a second tracker in the group would split the state."""
         if not self.store.is_sqlite:
             return
@@ -315,12 +327,8 @@ class Tracker:
             raise
 
     async def _start(self) -> None:
-        http: socket.socket | None = None
-        if self.settings.api_enabled:
-            from api.server import bind_http  # noqa: PLC0415 - the engine works without the API
-
-            # First: a taken port fails the start before the database or Kafka is touched.
-            http = self._http_socket = bind_http(self.settings.http_host, self.settings.http_port)
+        for service in self._services:
+            service.bind()  # first: a taken port fails the start before anything connects
         await self.prepare()
         await self._producer.start()
         await self.originals.start()
@@ -334,20 +342,9 @@ class Tracker:
             asyncio.create_task(self.payloads.run(self._stopping), name="kmq-payloads"),
             asyncio.create_task(self.redrive.run(self._stopping), name="kmq-redrive"),
         ]
-        if self.settings.api_enabled:
-            from api.app import create_app  # noqa: PLC0415 - the engine works without the API
-            from api.context import ApiContext  # noqa: PLC0415
-            from api.server import serve  # noqa: PLC0415
-
-            self._api = ApiContext.from_tracker(self)
-            server = serve(
-                create_app(self._api),
-                self.settings.http_host,
-                self.settings.http_port,
-                self._stopping,
-                sockets=[http] if http is not None else None,
-            )
-            self._tasks.append(asyncio.create_task(server, name="kmq-api"))
+        for service in self._services:
+            work = service.serve(self, self._stopping)
+            self._tasks.append(asyncio.create_task(work, name=f"kmq-{service.name}"))
         log.info(
             "tracker %s running: markers %r, store %s",
             self.settings.replica_id,
@@ -384,12 +381,11 @@ class Tracker:
                 except Exception:
                     log.exception("task %s failed while stopping", task.get_name())
         self._tasks = []
-        if self._http_socket is not None:
-            self._http_socket.close()  # uvicorn closes it once it served; not if never served
-            self._http_socket = None
-        if self._api is not None:
-            await self._api.close()
-            self._api = None
+        for service in self._services:
+            try:
+                await service.close()
+            except Exception:
+                log.exception("closing %s failed", service.name)
         await self.scanner.stop()
         if self._running:
             self._running = False
@@ -455,10 +451,14 @@ class Tracker:
         )
         return running, self.ingest.last_error or self.redeliverer.last_error
 
-    async def health(self) -> Health:
+    def wake_redelivery(self, due_ms: int) -> None:
+        """Something outside the markers (an operator's action) set a due time."""
+        self.redeliverer.notify_due(due_ms)
+
+    async def health(self) -> EngineHealth:
         store_ok = self.ingest.store_ok and await self._store_answers()
         running, last_error = self.engine_state()
-        return Health(
+        return EngineHealth(
             running=running,
             store_ok=store_ok,
             broker_ok=self.ingest.broker_answering(),

@@ -22,9 +22,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 from aiokafka.errors import KafkaError
 from prometheus_client import Counter
@@ -34,11 +34,13 @@ from tracker.clock import Clock, to_millis
 from tracker.domain.entries import Decision, Entry, EntryKey, Plan, State, plan_due
 from tracker.domain.policy import TopicPolicy
 from tracker.engine.copies import CopyBatches
+from tracker.engine.signals import IngestProgress
 from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.metrics import Metrics
+from tracker.ports import OriginalsSource
 from tracker.store import Store, StoreUnavailable
 from tracker.store.manager import DeadLetterRecord, StoredPayload
 
@@ -48,12 +50,6 @@ RETRY_AFTER_MS = 5_000  #: when a round cannot act on an entry (broker trouble),
 WAIT_FOR_PENDING_MS = 100  #: look again at an entry with unapplied markers this much later
 NOT_READY_RECHECK = 0.05  #: seconds between looks at due entries that are not actionable yet
 ROUNDS_IN_FLIGHT = 3  #: rounds claimed and not yet recorded, at most (``Redeliverer.run``)
-
-
-class OriginalsSource(Protocol):
-    async def fetch(
-        self, positions: Sequence[MessageId]
-    ) -> dict[MessageId, OriginalRecord | Missing]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +105,7 @@ class Redeliverer:
         producer: Any,
         originals: OriginalsSource,
         markers_topic: str,
-        owned_epochs: Callable[[], dict[int, int]],
-        safe_until: Callable[[], dict[int, int]],
-        pending_keys: Callable[[Iterable[EntryKey]], set[EntryKey]],
+        progress: IngestProgress,
         policy_for: Callable[[str], TopicPolicy],
         clock: Clock,
         metrics: Metrics,
@@ -128,9 +122,9 @@ class Redeliverer:
         self._producer = producer
         self._originals = originals
         self._markers_topic = markers_topic
-        self._owned_epochs = owned_epochs
-        self._safe_until = safe_until
-        self._pending_keys = pending_keys
+        self._owned_epochs = progress.owned_epochs
+        self._safe_until = progress.safe_until
+        self._pending_keys = progress.pending_keys
         self._policy_for = policy_for
         self._clock = clock
         self._metrics = metrics

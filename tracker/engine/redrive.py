@@ -44,13 +44,13 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from tracker.clock import Clock, SystemClock, to_millis
-from tracker.engine.redeliver import OriginalsSource
 from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner
 from tracker.metrics import Metrics
+from tracker.ports import OriginalsSource
 from tracker.store import StoreUnavailable
 from tracker.store.admin import (
     AdminStore,

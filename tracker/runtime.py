@@ -1,0 +1,192 @@
+"""The composition root: the one place that builds the engine and the API and joins them.
+
+Everything else receives its parts: the engine (``tracker.engine.process.Tracker``) builds its
+own store and Kafka clients from the settings but knows nothing of the API; the API
+(``api.context.ApiContext``) speaks to the engine only through ``tracker.ports``. Here:
+
+* :func:`create_tracker`: a tracker replica, serving the API beside its engine when
+  ``api_enabled`` (what ``kmq-tracker run`` starts);
+* :func:`engine_api_context`: the API's context for a tracker's engine, sharing its store,
+  producer, originals reader, clock and metrics;
+* :func:`standalone_api_context`, :func:`create_standalone_app` and :func:`serve_standalone`:
+  the API alone, with a store and Kafka clients of its own, running redrive jobs itself
+  (``kmq-tracker api``, or ``uvicorn --factory tracker.runtime:create_standalone_app``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from fastapi import FastAPI
+
+from api.app import create_app, create_app_from_factory
+from api.context import ApiContext, Closer, close_all, kafka_reads
+from api.server import bind_http, serve
+from tracker.client.markers import KafkaMarkerSink
+from tracker.clock import Clock, SystemClock
+from tracker.engine.process import EventHook, Tracker
+from tracker.engine.redrive import RedriveRunner
+from tracker.kafka.originals import OriginalsReader
+from tracker.kafka.scan import PartitionScanner
+from tracker.kafka.security import kafka_client_options
+from tracker.metrics import Metrics
+from tracker.settings import TrackerSettings, load_settings
+from tracker.store import Store
+from tracker.store.admin import AdminStore
+from tracker.store.migrate import check_schema, upgrade
+
+
+def create_tracker(
+    settings: TrackerSettings,
+    *,
+    clock: Clock | None = None,
+    metrics: Metrics | None = None,
+    on_event: EventHook | None = None,
+) -> Tracker:
+    """One tracker replica; with ``api_enabled``, the API is served from the same process."""
+    services = [ApiService(settings)] if settings.api_enabled else []
+    return Tracker(settings, clock=clock, metrics=metrics, on_event=on_event, services=services)
+
+
+class ApiService:
+    """The API as a service of the tracker's process (a ``TrackerService``)."""
+
+    name = "api"
+
+    def __init__(self, settings: TrackerSettings) -> None:
+        self._settings = settings
+        self._socket: socket.socket | None = None
+        self._context: ApiContext | None = None
+
+    def bind(self) -> None:
+        self._socket = bind_http(self._settings.http_host, self._settings.http_port)
+
+    def serve(self, engine: Tracker, stopping: asyncio.Event) -> Coroutine[Any, Any, None]:
+        self._context = engine_api_context(engine)
+        return serve(
+            create_app(self._context),
+            self._settings.http_host,
+            self._settings.http_port,
+            stopping,
+            sockets=[self._socket] if self._socket is not None else None,
+        )
+
+    async def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()  # uvicorn closes it once it served; not if never served
+            self._socket = None
+        if self._context is not None:
+            await self._context.close()
+            self._context = None
+
+
+def engine_api_context(tracker: Tracker) -> ApiContext:
+    """The API's context in the tracker's process: it shares the engine's clients (call
+    after ``tracker.start()``; close it before the tracker)."""
+    settings = tracker.settings
+    producer: Any = tracker.producer
+    reads = kafka_reads(settings)
+    context = ApiContext(
+        settings=settings,
+        store=tracker.store,
+        metrics=tracker.metrics,
+        markers=KafkaMarkerSink(producer, settings.markers_topic),
+        producer=producer,
+        originals=tracker.originals,
+        # The API's own metadata reads (a redrive job's target topic) share the views'
+        # scanner: the tracker's is the engine's, and one more client would do nothing more.
+        scanner=reads.scanner,
+        clock=tracker.clock,
+        admin=AdminStore(tracker.store, settings.markers_topic),
+        reads=reads,
+        engine=tracker,
+        redrive=tracker.redrive,
+    )
+    context.close_with(reads.close)
+    return context
+
+
+async def standalone_api_context(
+    settings: TrackerSettings,
+    *,
+    clock: Clock | None = None,
+    metrics: Metrics | None = None,
+    run_redrive: bool = True,
+) -> ApiContext:
+    """The API's context when it runs alone: a store and Kafka clients of its own, and a
+    redrive runner (run by the app when ``run_redrive``). Close it with ``close()``.
+
+    Refuses an outdated schema (``migrate_on_start`` migrates first), like the tracker.
+    """
+    closers: list[Closer] = []
+    try:
+        store = Store.from_url(settings.database_url)
+        closers.append(store.close)
+        if settings.migrate_on_start:
+            await upgrade(store.engine)
+        await check_schema(store.engine)
+        config = kafka_client_options(settings)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=settings.kafka_bootstrap_servers, acks="all", linger_ms=2, **config
+        )
+        await producer.start()
+        closers.append(producer.stop)
+        originals = OriginalsReader(settings.kafka_bootstrap_servers, client_config=config)
+        await originals.start()
+        closers.append(originals.stop)
+        scanner = PartitionScanner(settings.kafka_bootstrap_servers, client_config=config)
+        closers.append(scanner.stop)
+        reads = kafka_reads(settings)
+        closers.append(reads.close)
+    except BaseException:
+        await close_all(closers)
+        raise
+    metrics = metrics or Metrics()
+    admin = AdminStore(store, settings.markers_topic)
+    clock = clock or SystemClock()
+    redrive = RedriveRunner(
+        admin=admin,
+        producer=producer,
+        originals=originals,
+        scanner=scanner,
+        owner=f"{settings.replica_id}/api",
+        metrics=metrics,
+        lease_seconds=settings.redrive_lease.total_seconds(),
+        clock=clock,
+    )
+    context = ApiContext(
+        settings=settings,
+        store=store,
+        metrics=metrics,
+        markers=KafkaMarkerSink(producer, settings.markers_topic),
+        producer=producer,
+        originals=originals,
+        scanner=scanner,
+        clock=clock,
+        admin=admin,
+        reads=reads,
+        redrive=redrive,
+        run_redrive=run_redrive,
+    )
+    for closer in closers:
+        context.close_with(closer)
+    return context
+
+
+def create_standalone_app(settings: TrackerSettings | None = None) -> FastAPI:
+    """The API alone: its context (store, Kafka clients, redrive runner) lives with the app."""
+    resolved = settings or load_settings()
+
+    async def factory() -> ApiContext:
+        return await standalone_api_context(resolved)
+
+    return create_app_from_factory(resolved, factory)
+
+
+async def serve_standalone(settings: TrackerSettings, stopping: asyncio.Event) -> None:
+    """Serve the API alone (its own store and Kafka clients) on the configured address."""
+    await serve(create_standalone_app(settings), settings.http_host, settings.http_port, stopping)
