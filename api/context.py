@@ -34,7 +34,9 @@ from tracker.metrics import Metrics
 from tracker.ports import EngineHandle, OriginalsSource, RedriveService
 from tracker.settings import TrackerSettings
 from tracker.store import Store, StoreUnavailable
-from tracker.store.admin import AdminStore
+from tracker.store.inspection import InspectionQueries
+from tracker.store.operator_actions import OperatorActions
+from tracker.store.redrive_jobs import RedriveJobStore
 
 from .models import Check, Readiness
 from .rates import CounterRates
@@ -248,7 +250,6 @@ class ApiContext:
     originals: OriginalsSource
     scanner: PartitionScanner
     clock: Clock
-    admin: AdminStore
     #: The views' reads from Kafka, bounded by ``api_kafka_read_timeout`` (clients of their own).
     reads: KafkaReads
     #: The engine running in this process, if any (its health; woken after an action).
@@ -258,10 +259,18 @@ class ApiContext:
     run_redrive: bool = False
     #: History of the redeliveries counter, for per-topic redelivery rates.
     rates: CounterRates = field(init=False)
+    #: The store's admin side: what operators read, their actions, redrive jobs.
+    queries: InspectionQueries = field(init=False)
+    actions: OperatorActions = field(init=False)
+    jobs: RedriveJobStore = field(init=False)
     _closers: list[Closer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rates = CounterRates(self.metrics.redeliveries)
+        topic = self.settings.markers_topic
+        self.queries = InspectionQueries(self.store, topic)
+        self.actions = OperatorActions(self.store, topic)
+        self.jobs = RedriveJobStore(self.store, topic)
 
     def close_with(self, closer: Closer) -> None:
         """Have :meth:`close` call ``closer`` (last added, first called)."""

@@ -27,6 +27,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tracker.domain.actions import ActionKind, ActionOutcome
+from tracker.domain.jobs import ItemState, JobState
 from tracker.protocol import MAX_DELAY_MS, MAX_TIMEOUT_MS
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
@@ -390,20 +392,6 @@ class MarkerHistory(BaseModel):
     )
 
 
-class ActionKind(enum.StrEnum):
-    REDELIVER = "redeliver"
-    ACK = "ack"
-    EXTEND = "extend"
-    DEAD_LETTER = "dead_letter"
-
-
-class ActionOutcome(enum.StrEnum):
-    APPLIED = "applied"
-    UNCHANGED = "unchanged"
-    CONFLICT = "conflict"
-    NOT_FOUND = "not_found"
-
-
 class ActionView(BaseModel):
     """An operator action as recorded in the audit trail."""
 
@@ -761,14 +749,6 @@ class RedriveCreate(BaseModel):
         return self
 
 
-class JobState(enum.StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    DONE = "done"
-    CANCELLED = "cancelled"
-    FAILED = "failed"
-
-
 class RedriveJobView(BaseModel):
     """A redrive job and its progress."""
 
@@ -837,14 +817,6 @@ class RedriveJobPage(BaseModel):
     items: list[RedriveJobView]
     next_cursor: str | None
     limit: int
-
-
-class ItemState(enum.StrEnum):
-    PENDING = "pending"
-    SENDING = "sending"
-    DONE = "done"
-    SKIPPED = "skipped"
-    CANCELLED = "cancelled"
 
 
 class RedriveItemView(BaseModel):

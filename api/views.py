@@ -9,7 +9,9 @@ from fastapi import Response
 from pydantic import BaseModel
 
 from tracker.clock import from_millis
-from tracker.store.admin import ActionRecord, EntryView, RedriveJobView
+from tracker.store.admin_reads import EntryView
+from tracker.store.operator_actions import ActionRecord
+from tracker.store.redrive_jobs import RedriveJobRecord
 
 from . import models
 from .ids import format_message_id
@@ -75,11 +77,11 @@ def message_summary_data(view: EntryView, now_ms: int) -> dict[str, Any]:
 def action_view(record: ActionRecord) -> models.ActionView:
     return models.ActionView(
         id=record.id,
-        action=models.ActionKind(record.action.value),
+        action=record.action,
         actor=record.actor,
         reason=record.reason,
         at=from_millis(record.created_ms),
-        outcome=models.ActionOutcome(record.outcome.value),
+        outcome=record.outcome,
         detail=record.detail,
         state_before=record.state_before,
         state_after=record.state_after,
@@ -108,7 +110,7 @@ def dead_letter_view(row: dict[str, Any]) -> models.DeadLetterView:
     )
 
 
-def job_view(job: RedriveJobView) -> models.RedriveJobView:
+def job_view(job: RedriveJobRecord) -> models.RedriveJobView:
     finished = job.done + job.skipped
     progress = 1.0 if job.total == 0 else min(1.0, finished / job.total)
     if job.dry_run:
@@ -116,7 +118,7 @@ def job_view(job: RedriveJobView) -> models.RedriveJobView:
     eta = job.pending / job.rate if job.state.value in ("pending", "running") else None
     return models.RedriveJobView(
         id=job.id,
-        state=models.JobState(job.state.value),
+        state=job.state,
         selection=job.selection,
         target_topic=job.target_topic,
         rate=job.rate,

@@ -29,15 +29,15 @@ from api.server import bind_http, serve
 from tracker.client.markers import KafkaMarkerSink
 from tracker.clock import Clock, SystemClock
 from tracker.engine.process import EventHook, Tracker
-from tracker.engine.redrive import RedriveRunner
+from tracker.engine.redrive_runner import RedriveRunner
 from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
 from tracker.kafka.security import kafka_client_options
 from tracker.metrics import Metrics
 from tracker.settings import TrackerSettings, load_settings
 from tracker.store import Store
-from tracker.store.admin import AdminStore
 from tracker.store.migrate import check_schema, upgrade
+from tracker.store.redrive_jobs import RedriveJobStore
 
 
 def create_tracker(
@@ -101,7 +101,6 @@ def engine_api_context(tracker: Tracker) -> ApiContext:
         # scanner: the tracker's is the engine's, and one more client would do nothing more.
         scanner=reads.scanner,
         clock=tracker.clock,
-        admin=AdminStore(tracker.store, settings.markers_topic),
         reads=reads,
         engine=tracker,
         redrive=tracker.redrive,
@@ -146,10 +145,9 @@ async def standalone_api_context(
         await close_all(closers)
         raise
     metrics = metrics or Metrics()
-    admin = AdminStore(store, settings.markers_topic)
     clock = clock or SystemClock()
     redrive = RedriveRunner(
-        admin=admin,
+        jobs=RedriveJobStore(store, settings.markers_topic),
         producer=producer,
         originals=originals,
         scanner=scanner,
@@ -167,7 +165,6 @@ async def standalone_api_context(
         originals=originals,
         scanner=scanner,
         clock=clock,
-        admin=admin,
         reads=reads,
         redrive=redrive,
         run_redrive=run_redrive,

@@ -21,7 +21,8 @@ from tracker.clock import from_millis
 from tracker.domain.entries import State
 from tracker.kafka.originals import OriginalsUnavailable
 from tracker.store import StoreUnavailable
-from tracker.store.admin import DeadLetterFilter, EntryFilter, EntryOrder
+from tracker.store.admin_reads import DeadLetterFilter
+from tracker.store.inspection import EntryFilter, EntryOrder
 from tracker.store.overview import MarkersPartitionState, OverviewQueries
 
 from .. import models
@@ -458,7 +459,7 @@ async def job_page(
     if job.dry_run and isinstance(selected, dict):
         known = {k: v for k, v in selected.items() if k in DeadLetterFilter.__slots__}
         flt = DeadLetterFilter(**known)
-        rows = await context.admin.list_dead_letters(flt, limit=20)
+        rows = await context.queries.list_dead_letters(flt, limit=20)
         would_move = [dead_letter_view(row) for row in rows]
     return render(
         request,

@@ -10,7 +10,7 @@ from pydantic import AwareDatetime
 from tracker.clock import to_millis
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
-from tracker.store.admin import DeadLetterFilter
+from tracker.store.admin_reads import DeadLetterFilter
 
 from ..context import not_served
 from ..deps import Context, Cursor, Limit, Reader
@@ -82,7 +82,7 @@ async def list_dead_letters(
         if len(raw) != 1 or not isinstance(raw[0], int) or isinstance(raw[0], bool):
             raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is")
         before = raw[0]
-    rows = await context.admin.list_dead_letters(flt, before_id=before, limit=limit + 1)
+    rows = await context.queries.list_dead_letters(flt, before_id=before, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]
     return DeadLetterPage(
@@ -112,7 +112,7 @@ async def get_dead_letter(
     The record is read from Kafka within ``api_kafka_read_timeout``: past it, the answer has
     the dead letter as the database has it, and ``payload_error`` says why there is no preview.
     """
-    row = await context.admin.get_dead_letter(dead_letter_id)
+    row = await context.queries.get_dead_letter(dead_letter_id)
     if row is None:
         raise ApiError(404, f"no dead letter {dead_letter_id}")
     target = MessageId(row["dlq_topic"], row["dlq_partition"], row["dlq_offset"])

@@ -9,21 +9,15 @@ from fastapi import APIRouter, Body, Path, Query, Response
 from pydantic import AwareDatetime
 
 from tracker.clock import to_millis
+from tracker.domain.actions import ActionKind as StoreAction
+from tracker.domain.actions import ActionOutcome, ActionRequest
 from tracker.domain.entries import EntryKey, State
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.partitioning import markers_partition
-from tracker.store.admin import (
-    ActionKind as StoreAction,
-)
-from tracker.store.admin import (
-    ActionRequest,
-    EntryFilter,
-    EntryOrder,
-    EntryView,
-    IdempotencyConflict,
-    Outcome,
-)
+from tracker.store.admin_reads import EntryView
+from tracker.store.errors import IdempotencyConflict
+from tracker.store.inspection import EntryFilter, EntryOrder
 
 from ..context import ApiContext, not_served
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
@@ -152,7 +146,7 @@ async def find_messages(
         shape["s"] = flt.seen_before_ms
     query = fingerprint(shape)
     after = _check_position(decode_cursor(cursor, query), sort) if cursor else None
-    views = await context.admin.list_entries(flt, order=sort, after=after, limit=limit + 1)
+    views = await context.queries.list_entries(flt, order=sort, after=after, limit=limit + 1)
     more = len(views) > limit
     views = views[:limit]
     next_cursor = None
@@ -186,7 +180,7 @@ async def _preview(
     if view is not None:
         e = view.entry
         if view.payload_stored:
-            stored = await context.admin.stored_payload(e.key)
+            stored = await context.queries.stored_payload(e.key)
             if stored is not None:
                 record = OriginalRecord(
                     stored.key, stored.value, stored.headers, stored.timestamp_ms
@@ -274,12 +268,12 @@ async def get_message(
     (one transaction): the cheap way to poll a message's status.
     """
     key = parse_message_id(message_id)
-    record = await context.admin.message_record(key)
+    record = await context.queries.message_record(key)
     view, actions, dead = record.view, record.actions, record.dead_letters
     acked_at = [
         a.created_ms
         for a in actions
-        if a.action is StoreAction.ACK and a.outcome is Outcome.APPLIED
+        if a.action is StoreAction.ACK and a.outcome is ActionOutcome.APPLIED
     ]
     if view is None and not dead and not acked_at:
         raise ApiError(404, f"no message {format_message_id(key)} is tracked or dead-lettered")
@@ -335,21 +329,25 @@ async def _act(
         idempotency_key=idempotency_key,
     )
     try:
-        record = await context.admin.apply_action(request, context.now_ms())
+        record = await context.actions.apply_action(request, context.now_ms())
     except IdempotencyConflict as exc:
         raise ApiError(409, str(exc), error="idempotency_conflict") from None
     if not record.replayed:
         context.metrics.api_actions.labels(action.value, record.outcome.value).inc()
-    if record.outcome is Outcome.NOT_FOUND:
+    if record.outcome is ActionOutcome.NOT_FOUND:
         raise ApiError(404, f"message {format_message_id(key)}: {record.detail}")
-    if record.outcome is Outcome.CONFLICT:
+    if record.outcome is ActionOutcome.CONFLICT:
         raise ApiError(
             409,
             f"cannot {action.value.replace('_', '-')} {format_message_id(key)}: {record.detail}",
         )
-    if record.outcome is Outcome.APPLIED and record.due_at_ms is not None and not record.replayed:
+    if (
+        record.outcome is ActionOutcome.APPLIED
+        and record.due_at_ms is not None
+        and not record.replayed
+    ):
         context.wake_redelivery(record.due_at_ms)
-    view = await context.admin.get_entry(key)
+    view = await context.queries.get_entry(key)
     return ActionResponse(
         action=action_view(record),
         message=message_summary(view, context.now_ms()) if view is not None else None,

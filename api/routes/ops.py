@@ -51,7 +51,7 @@ async def readyz(context: Context) -> JSONResponse:
 async def refresh_store_gauges(context: ApiContext) -> None:
     """Set the store-wide gauges (clearing topics that disappeared)."""
     now_ms = context.now_ms()
-    counts = await context.admin.topic_counts(since_ms=now_ms)
+    counts = await context.queries.topic_counts(since_ms=now_ms)
     m = context.metrics
     # No await from here on: a concurrent scrape never sees half-set gauges.
     for gauge in (m.tracked_messages, m.oldest_in_flight_age, m.next_delayed_due):

@@ -1,6 +1,6 @@
 """Redrive jobs: create (by filter or ids; dry run counts only), follow, list items, cancel.
 
-The work is done by a :class:`tracker.engine.redrive.RedriveRunner` (in the tracker process,
+The work is done by a :class:`tracker.engine.redrive_runner.RedriveRunner` (in the tracker process,
 or in the standalone API app); see that module for how a job survives restarts without ever
 republishing a dead letter twice.
 """
@@ -12,15 +12,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Path, Query, Response
 
 from tracker.clock import from_millis, to_millis
-from tracker.store.admin import (
-    DeadLetterFilter,
-    IdempotencyConflict,
-    ItemState,
-    JobNotCancellable,
-    JobState,
-    RedriveSpec,
-    UnknownDeadLetters,
-)
+from tracker.domain.jobs import ItemState, JobState
+from tracker.store.admin_reads import DeadLetterFilter
+from tracker.store.errors import IdempotencyConflict, JobNotCancellable, UnknownDeadLetters
+from tracker.store.redrive_jobs import RedriveSpec
 
 from .. import models
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
@@ -96,7 +91,7 @@ async def create_job(
         idempotency_key=idempotency_key,
     )
     try:
-        job = await context.admin.create_redrive_job(spec, context.now_ms())
+        job = await context.jobs.create_redrive_job(spec, context.now_ms())
     except UnknownDeadLetters as exc:
         raise ApiError(422, str(exc)) from None
     except IdempotencyConflict as exc:
@@ -118,16 +113,16 @@ async def list_jobs(
     context: Context,
     _: Reader,
     state: Annotated[
-        list[models.JobState] | None, Query(description="One or more states (repeat).")
+        list[JobState] | None, Query(description="One or more states (repeat).")
     ] = None,
     limit: Limit = 100,
     cursor: Cursor = None,
 ) -> models.RedriveJobPage:
     """Jobs, newest first."""
-    states = [JobState(s.value) for s in state or ()]
+    states = list(state or ())
     query = fingerprint({"state": sorted(s.value for s in states)})
     before = _position(decode_cursor(cursor, query)) if cursor else None
-    jobs = await context.admin.list_jobs(states=states, before_id=before, limit=limit + 1)
+    jobs = await context.jobs.list_jobs(states=states, before_id=before, limit=limit + 1)
     more = len(jobs) > limit
     jobs = jobs[:limit]
     return models.RedriveJobPage(
@@ -144,7 +139,7 @@ async def list_jobs(
     responses=errors(*READ_ERRORS, 404),
 )
 async def get_job(job_id: JobId, context: Context, _: Reader) -> models.RedriveJobView:
-    job = await context.admin.get_job(job_id)
+    job = await context.jobs.get_job(job_id)
     if job is None:
         raise ApiError(404, f"no redrive job {job_id}")
     return job_view(job)
@@ -160,17 +155,17 @@ async def list_items(
     job_id: JobId,
     context: Context,
     _: Reader,
-    state: Annotated[models.ItemState | None, Query()] = None,
+    state: Annotated[ItemState | None, Query()] = None,
     limit: Limit = 100,
     cursor: Cursor = None,
 ) -> models.RedriveItemPage:
-    if await context.admin.get_job(job_id) is None:
+    if await context.jobs.get_job(job_id) is None:
         raise ApiError(404, f"no redrive job {job_id}")
     query = fingerprint({"job": job_id, "state": state.value if state else None})
     after = _position(decode_cursor(cursor, query)) if cursor else None
-    rows = await context.admin.job_items(
+    rows = await context.jobs.job_items(
         job_id,
-        state=ItemState(state.value) if state else None,
+        state=state,
         after_id=after,
         limit=limit + 1,
     )
@@ -179,7 +174,7 @@ async def list_items(
     items = [
         models.RedriveItemView(
             dead_letter_id=row["dead_letter_id"],
-            state=models.ItemState(row["state"]),
+            state=ItemState(row["state"]),
             detail=row["detail"],
             produced=position(
                 row["target_topic"], row["produced_partition"], row["produced_offset"]
@@ -208,7 +203,7 @@ async def cancel_job(job_id: JobId, context: Context, _: Admin) -> models.Redriv
     (``cancel_requested`` until then). Cancelling a cancelled job again is fine; a finished
     one gives 409. Dead letters not republished stay available for another job."""
     try:
-        job = await context.admin.cancel_job(job_id, context.now_ms())
+        job = await context.jobs.cancel_job(job_id, context.now_ms())
     except JobNotCancellable as exc:
         raise ApiError(409, str(exc)) from None
     if job is None:

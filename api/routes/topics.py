@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 
 from tracker.domain.policy import TopicPolicy
-from tracker.store.admin import TopicCounts
+from tracker.store.inspection import TopicCounts
 
 from ..context import ApiContext
 from ..deps import Context, Reader
@@ -79,7 +79,7 @@ def _stats(context: ApiContext, counts: TopicCounts, window: int, now_ms: int) -
 async def list_topics(context: Context, _: Reader, window_minutes: Window = 5) -> TopicList:
     """Every topic with tracked messages or dead letters, or a policy override."""
     now_ms = context.now_ms()
-    counts = await context.admin.topic_counts(since_ms=now_ms - window_minutes * 60_000)
+    counts = await context.queries.topic_counts(since_ms=now_ms - window_minutes * 60_000)
     for topic in context.settings.topics:
         counts.setdefault(topic, TopicCounts(topic))
     return TopicList(
@@ -101,7 +101,7 @@ async def get_topic(
 ) -> TopicStats:
     """One topic's numbers (zeros for a topic the tracker has not seen) and its policy."""
     now_ms = context.now_ms()
-    counts = await context.admin.topic_counts(
+    counts = await context.queries.topic_counts(
         since_ms=now_ms - window_minutes * 60_000, topic=topic
     )
     return _stats(context, counts.get(topic) or TopicCounts(topic), window_minutes, now_ms)

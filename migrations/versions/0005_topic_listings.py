@@ -6,7 +6,7 @@ or in due order (then id order among equal due times). No index served that: the
 equality and sorted every row of the topic for each page, 1.3 s (SQLite) to 3 s
 (PostgreSQL) at 1M tracked (docs/benchmarks.md, scenario 5). With the topic leading, the
 rest of each index is the listing's order, so a page reads ``limit`` index entries; the
-keyset condition of the next page (``tracker/store/admin.py``) leaves the topic out, so it
+keyset condition of the next page (``tracker/store/inspection.py``) leaves the topic out, so it
 is a range of the same index.
 
 Every write of a tracked entry now keeps two more indexes up to date. An A/B of

@@ -23,7 +23,7 @@ from api.context import ApiContext
 from tracker.domain.entries import Entry, State
 from tracker.runtime import standalone_api_context
 from tracker.settings import TrackerSettings
-from tracker.store.admin import actions_table, items_table, jobs_table
+from tracker.store.admin_reads import actions_table, items_table, jobs_table
 from tracker.store.counts import CountChanges
 from tracker.store.manager import (
     dead_letters,

@@ -18,7 +18,7 @@ from api.app import create_app
 from api.context import ApiContext
 from tracker import headers as h
 from tracker.engine.process import Tracker
-from tracker.engine.redrive import REDRIVE_JOB, RedriveRunner
+from tracker.engine.redrive_runner import REDRIVE_JOB, RedriveRunner
 from tracker.runtime import create_tracker, engine_api_context
 
 from .api_support import bearer, client_for
@@ -145,7 +145,7 @@ async def test_the_api_drives_the_engine(
                 await client.post("/v1/redrive-jobs", json={"ids": [dead["id"]], "rate": 10})
             ).json()
             runner = RedriveRunner(
-                admin=context.admin,
+                jobs=context.jobs,
                 producer=context.producer,
                 originals=tracker.originals,
                 scanner=context.scanner,

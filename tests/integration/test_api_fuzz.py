@@ -51,7 +51,8 @@ from api.context import ApiContext
 from api.server import serve
 from tracker.domain.entries import State
 from tracker.runtime import standalone_api_context
-from tracker.store.admin import DeadLetterFilter, RedriveSpec
+from tracker.store.admin_reads import DeadLetterFilter
+from tracker.store.redrive_jobs import RedriveSpec
 
 from .api_support import (
     ADMIN_TOKEN,
@@ -232,7 +233,7 @@ class ServedApp:
                 for i, (p, o) in enumerate(positions)
             ],
         )
-        job = await context.admin.create_redrive_job(
+        job = await context.jobs.create_redrive_job(
             RedriveSpec(
                 selection=DeadLetterFilter(),
                 target_topic=None,

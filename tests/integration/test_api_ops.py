@@ -147,7 +147,7 @@ async def test_errors_are_json_with_the_right_status(
     async def explode(*_: object, **__: object) -> None:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(env.context.admin, "list_entries", explode)
+    monkeypatch.setattr(env.context.queries, "list_entries", explode)
     crashed = await client.get("/v1/messages")
     assert crashed.status_code == 500
     body = crashed.json()

@@ -12,9 +12,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from support.broker import unique_topic
 
-from tracker.engine.redrive import REDRIVE_ITEM, REDRIVE_JOB, RedriveRunner
-from tracker.store.admin import Produced
+from tracker.engine.redrive_runner import REDRIVE_ITEM, REDRIVE_JOB, RedriveRunner
 from tracker.store.manager import dead_letters
+from tracker.store.redrive_jobs import Produced
 
 from .api_support import T0, ApiEnv, api_env, produce
 from .engine_support import eventually
@@ -37,7 +37,7 @@ def runner(env: ApiEnv, owner: str, **kw: Any) -> RedriveRunner:
     kw.setdefault("lease_seconds", 2.0)
     kw.setdefault("poll_interval", 0.05)
     return RedriveRunner(
-        admin=env.context.admin,
+        jobs=env.context.jobs,
         producer=env.context.producer,
         originals=env.context.originals,
         scanner=env.context.scanner,

@@ -236,7 +236,7 @@ async def test_actions_need_the_admin_login_and_the_forms_token(env: ApiEnv) -> 
         headers={"Origin": "https://evil.example"},
     )
     assert cross.status_code == 403
-    view = await env.context.admin.get_entry(("billing", "orders", 0, 1))
+    view = await env.context.queries.get_entry(("billing", "orders", 0, 1))
     assert view is not None
     assert view.entry.due_at_ms == now + 600_000
 
@@ -256,11 +256,11 @@ async def test_actions_need_the_admin_login_and_the_forms_token(env: ApiEnv) -> 
     )
     assert done.status_code == 303, done.text
     assert done.headers["location"] == f"/console/messages/{message}?done=redeliver"
-    view = await env.context.admin.get_entry(("billing", "orders", 0, 1))
+    view = await env.context.queries.get_entry(("billing", "orders", 0, 1))
     assert view is not None
     assert view.entry.due_at_ms is not None
     assert view.entry.due_at_ms <= int(time.time() * 1000)
-    [action] = (await env.context.admin.message_record(("billing", "orders", 0, 1))).actions
+    [action] = (await env.context.queries.message_record(("billing", "orders", 0, 1))).actions
     assert (action.actor, action.reason) == ("admin (console)", "from the console")
     # An action the state does not allow answers the API's 409 as a page.
     await insert_entries(env.context, [entry(9, state=State.LOST)])
@@ -384,7 +384,7 @@ async def test_requeue_by_id_and_posts_from_behind_a_tls_proxy(env: ApiEnv) -> N
         headers={"Origin": "https://kmq.test"},
     )
     assert response.status_code == 303, response.text
-    job = await env.context.admin.get_job(int(response.headers["location"].rsplit("/", 1)[1]))
+    job = await env.context.jobs.get_job(int(response.headers["location"].rsplit("/", 1)[1]))
     assert job is not None
     assert job.selection == {"ids": [dead]}
     assert (job.total, job.created_by) == (1, "admin (console)")

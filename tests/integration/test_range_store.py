@@ -30,18 +30,12 @@ from support.range_model import (
     steps_with_times,
 )
 
+from tracker.domain.actions import ActionKind, ActionOutcome, ActionRequest
 from tracker.domain.entries import Entry, State, plan_due
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeMarker
-from tracker.store.admin import (
-    ActionKind,
-    ActionRequest,
-    AdminStore,
-    EntryFilter,
-    EntryOrder,
-    Outcome,
-)
+from tracker.store.inspection import EntryFilter, EntryOrder, InspectionQueries
 from tracker.store.manager import (
     PartitionProgress,
     PendingMarker,
@@ -52,6 +46,7 @@ from tracker.store.manager import (
     tracked_counts,
 )
 from tracker.store.migrate import upgrade
+from tracker.store.operator_actions import OperatorActions
 
 pytestmark = [pytest.mark.integration]
 
@@ -279,7 +274,7 @@ def test_admin_listings_show_the_offsets_of_ranges_page_by_page(database_url: st
 
     async def scenario() -> None:
         store = await _fresh(database_url)
-        admin = AdminStore(store, MARKERS)
+        queries = InspectionQueries(store, MARKERS)
         try:
             epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
             steps: list[AnyMarker] = [
@@ -304,7 +299,7 @@ def test_admin_listings_show_the_offsets_of_ranges_page_by_page(database_url: st
                     seen: list[Entry] = []
                     after = None
                     while True:
-                        page = await admin.list_entries(
+                        page = await queries.list_entries(
                             EntryFilter(), order=order, after=after, limit=page_size
                         )
                         seen += [view.entry for view in page]
@@ -312,9 +307,11 @@ def test_admin_listings_show_the_offsets_of_ranges_page_by_page(database_url: st
                             break
                         after = sort(page[-1].entry)
                     assert seen == expected, f"{order} pages of {page_size}"
-            only_c3 = await admin.list_entries(EntryFilter(partition=3, states=(State.IN_FLIGHT,)))
+            only_c3 = await queries.list_entries(
+                EntryFilter(partition=3, states=(State.IN_FLIGHT,))
+            )
             assert [v.entry.origin_offset for v in only_c3] == [7, *range(100, 121)]
-            counts = (await admin.topic_counts(since_ms=0))[TOPIC]
+            counts = (await queries.topic_counts(since_ms=0))[TOPIC]
             assert counts.in_flight == len([e for e in everything if e.state is State.IN_FLIGHT])
             assert counts.oldest_in_flight_first_seen_ms == 100
         finally:
@@ -342,7 +339,7 @@ def test_admin_listings_merge_entries_and_ranges_in_one_order_whatever_the_colla
 
     async def scenario(url: str) -> None:
         store = await _fresh(url)
-        admin = AdminStore(store, MARKERS)
+        queries = InspectionQueries(store, MARKERS)
         try:
             epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
             steps: list[AnyMarker] = []
@@ -360,7 +357,7 @@ def test_admin_listings_merge_entries_and_ranges_in_one_order_whatever_the_colla
             ):
                 seen: list[tuple[str, int, int]] = []
                 after = None
-                while page := await admin.list_entries(
+                while page := await queries.list_entries(
                     EntryFilter(), order=order, after=after, limit=2
                 ):
                     seen += [(v.entry.origin_topic, *v.entry.key[2:]) for v in page]
@@ -379,7 +376,7 @@ def test_admin_listings_merge_entries_and_ranges_in_one_order_whatever_the_colla
 def test_an_operator_action_on_one_offset_splits_it_from_its_range(database_url: str) -> None:
     async def scenario() -> None:
         store = await _fresh(database_url)
-        admin = AdminStore(store, MARKERS)
+        queries = InspectionQueries(store, MARKERS)
         try:
             epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
             start = RangeMarker.start(GROUP, TOPIC, 2, 0, 9, timeout_ms=5_000, consumer="c1")
@@ -390,14 +387,15 @@ def test_an_operator_action_on_one_offset_splits_it_from_its_range(database_url:
                 policy,
                 10,
             )
-            view = await admin.get_entry((GROUP, TOPIC, 2, 4))
+            view = await queries.get_entry((GROUP, TOPIC, 2, 4))
             assert view is not None
             assert (view.entry.state, view.entry.due_at_ms, view.entry.consumer) == (
                 State.IN_FLIGHT,
                 5_010,
                 "c1",
             )
-            record = await admin.apply_action(
+            actions = OperatorActions(store, MARKERS)
+            record = await actions.apply_action(
                 ActionRequest(
                     key=(GROUP, TOPIC, 2, 4),
                     action=ActionKind.EXTEND,
@@ -406,14 +404,14 @@ def test_an_operator_action_on_one_offset_splits_it_from_its_range(database_url:
                 ),
                 1_000,
             )
-            assert record.outcome is Outcome.APPLIED
+            assert record.outcome is ActionOutcome.APPLIED
             extended = await store.get_entry((GROUP, TOPIC, 2, 4))
             assert extended is not None
             assert extended.due_at_ms == 61_000
             [tracked_range] = await store.list_ranges()
             assert sorted(tracked_range.offsets()) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
             ack = ActionRequest(key=(GROUP, TOPIC, 2, 0), action=ActionKind.ACK, actor="ops")
-            assert (await admin.apply_action(ack, 1_000)).outcome is Outcome.APPLIED
+            assert (await actions.apply_action(ack, 1_000)).outcome is ActionOutcome.APPLIED
             assert await store.get_entry((GROUP, TOPIC, 2, 0)) is None
             assert await store.count_entries() == 9
             await assert_counters_match(store.engine)

@@ -21,9 +21,9 @@ from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId
 from tracker.protocol import Marker
-from tracker.store.admin import AdminStore, EntryFilter
 from tracker.store.dialects import keys_in
 from tracker.store.errors import Fenced
+from tracker.store.inspection import EntryFilter, InspectionQueries
 from tracker.store.manager import (
     KEY_COLUMNS,
     ApplyResult,
@@ -834,15 +834,15 @@ async def test_sqlite_reads_do_not_wait_for_a_writer(tmp_path: Path) -> None:
 async def _reads_while_locked(store: Store, path: str) -> None:
     epochs = await claim(store)
     await start(store, epochs, 60)
-    admin = AdminStore(store, MARKERS)
+    queries = InspectionQueries(store, MARKERS)
     writer = await asyncio.to_thread(
         sqlite3.connect, path, timeout=60, isolation_level=None, check_same_thread=False
     )
     try:
         await asyncio.to_thread(writer.execute, "BEGIN IMMEDIATE")
-        entries = await asyncio.wait_for(admin.list_entries(EntryFilter(topic=TOPIC)), 5)
+        entries = await asyncio.wait_for(queries.list_entries(EntryFilter(topic=TOPIC)), 5)
         assert [v.entry.origin_offset for v in entries] == [60]
-        assert await asyncio.wait_for(admin.get_entry(key(60)), 5) is not None
+        assert await asyncio.wait_for(queries.get_entry(key(60)), 5) is not None
         assert await asyncio.wait_for(store.next_due_ms([0]), 5) == T0 + 5_000
         write = asyncio.ensure_future(start(store, epochs, 61))
         done, _ = await asyncio.wait({write}, timeout=0.5)
@@ -882,7 +882,7 @@ async def test_sqlite_key_lookups_search_the_primary_key(tmp_path: Path) -> None
 
 
 async def test_topic_counts_follow_ingest_claims_and_rounds(store: Store) -> None:
-    admin = AdminStore(store, MARKERS)
+    queries = InspectionQueries(store, MARKERS)
     epochs = await claim(store, [0, 1])
     for offset in (1, 2, 3, 4):
         await start(store, epochs, offset, ref_ms=T0 + offset, timeout_ms=60_000)
@@ -897,7 +897,7 @@ async def test_topic_counts_follow_ingest_claims_and_rounds(store: Store) -> Non
             pending(Marker.ack(GROUP, msg(1)), T0 + 10, 13),
         ],
     )
-    counts = await admin.topic_counts(since_ms=T0)
+    counts = await queries.topic_counts(since_ms=T0)
     assert set(counts) == {TOPIC, "audit"}
     orders = counts[TOPIC]
     assert (orders.in_flight, orders.delayed, orders.rejected, orders.lost) == (0, 2, 1, 0)
@@ -930,14 +930,14 @@ async def test_topic_counts_follow_ingest_claims_and_rounds(store: Store) -> Non
         retry=[],
         now_ms=T0 + 1_000,
     )
-    counts = await admin.topic_counts(since_ms=T0 + 500)
+    counts = await queries.topic_counts(since_ms=T0 + 500)
     orders, audit = counts[TOPIC], counts["audit"]
     assert (orders.delayed, orders.rejected, orders.dead_lettered) == (2, 0, 1)
     assert (orders.dead_letters_waiting, orders.dead_lettered_recently) == (1, 1)
     assert (audit.in_flight, audit.lost) == (0, 1)
-    assert (await admin.topic_counts(since_ms=T0 + 2_000))[TOPIC].dead_lettered_recently == 0
+    assert (await queries.topic_counts(since_ms=T0 + 2_000))[TOPIC].dead_lettered_recently == 0
     # One topic asked for: only its figures.
-    assert set(await admin.topic_counts(since_ms=T0, topic="audit")) == {"audit"}
+    assert set(await queries.topic_counts(since_ms=T0, topic="audit")) == {"audit"}
 
     kept, recount = await counters_and_recount(store.engine)
     assert kept == recount
@@ -946,14 +946,14 @@ async def test_topic_counts_follow_ingest_claims_and_rounds(store: Store) -> Non
 
 async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store: Store) -> None:
     """The next-due probe walks the due index past other topics' delayed entries."""
-    admin = AdminStore(store, MARKERS)
+    queries = InspectionQueries(store, MARKERS)
     epochs = await claim(store)
     markers = [
         pending(Marker.delay(GROUP, msg(i, "busy"), delay_ms=1_000 + i), T0, i) for i in range(300)
     ]
     markers.append(pending(Marker.delay(GROUP, msg(7, "quiet"), delay_ms=9_000), T0, 300))
     await apply(store, epochs, markers)
-    counts = await admin.topic_counts(since_ms=T0)
+    counts = await queries.topic_counts(since_ms=T0)
     assert (counts["busy"].delayed, counts["busy"].next_delayed_due_ms) == (300, T0 + 1_000)
     assert (counts["quiet"].delayed, counts["quiet"].next_delayed_due_ms) == (1, T0 + 9_000)
 

@@ -15,15 +15,15 @@ from api.errors import ApiError, _is_json, _item
 from api.ids import decode_cursor, encode_cursor, format_message_id, parse_message_id
 from api.previews import bytes_preview
 from api.rates import CounterRates
+from tracker.domain.actions import ActionKind, ActionOutcome, ActionRequest, decide_action
 from tracker.domain.entries import Entry, State
-from tracker.engine.redrive import (
+from tracker.engine.redrive_runner import (
     REDRIVE_ITEM,
     REDRIVE_JOB,
     TokenBucket,
     redrive_headers,
     redrive_marks,
 )
-from tracker.store.admin import ActionKind, ActionRequest, Outcome, decide_action
 
 pytestmark = [pytest.mark.unit]
 
@@ -130,27 +130,27 @@ def request(action: ActionKind, **kw: object) -> ActionRequest:
 @pytest.mark.parametrize(
     ("state", "action", "outcome"),
     [
-        (State.IN_FLIGHT, ActionKind.REDELIVER, Outcome.APPLIED),
-        (State.DELAYED, ActionKind.REDELIVER, Outcome.APPLIED),
-        (State.REJECTED, ActionKind.REDELIVER, Outcome.CONFLICT),
-        (State.LOST, ActionKind.REDELIVER, Outcome.CONFLICT),
-        (State.IN_FLIGHT, ActionKind.EXTEND, Outcome.APPLIED),
-        (State.DELAYED, ActionKind.EXTEND, Outcome.CONFLICT),
-        (State.REJECTED, ActionKind.EXTEND, Outcome.CONFLICT),
-        (State.LOST, ActionKind.EXTEND, Outcome.CONFLICT),
-        (State.IN_FLIGHT, ActionKind.DEAD_LETTER, Outcome.APPLIED),
-        (State.DELAYED, ActionKind.DEAD_LETTER, Outcome.APPLIED),
-        (State.REJECTED, ActionKind.DEAD_LETTER, Outcome.UNCHANGED),
-        (State.LOST, ActionKind.DEAD_LETTER, Outcome.CONFLICT),
-        (State.IN_FLIGHT, ActionKind.ACK, Outcome.APPLIED),
-        (State.LOST, ActionKind.ACK, Outcome.APPLIED),
+        (State.IN_FLIGHT, ActionKind.REDELIVER, ActionOutcome.APPLIED),
+        (State.DELAYED, ActionKind.REDELIVER, ActionOutcome.APPLIED),
+        (State.REJECTED, ActionKind.REDELIVER, ActionOutcome.CONFLICT),
+        (State.LOST, ActionKind.REDELIVER, ActionOutcome.CONFLICT),
+        (State.IN_FLIGHT, ActionKind.EXTEND, ActionOutcome.APPLIED),
+        (State.DELAYED, ActionKind.EXTEND, ActionOutcome.CONFLICT),
+        (State.REJECTED, ActionKind.EXTEND, ActionOutcome.CONFLICT),
+        (State.LOST, ActionKind.EXTEND, ActionOutcome.CONFLICT),
+        (State.IN_FLIGHT, ActionKind.DEAD_LETTER, ActionOutcome.APPLIED),
+        (State.DELAYED, ActionKind.DEAD_LETTER, ActionOutcome.APPLIED),
+        (State.REJECTED, ActionKind.DEAD_LETTER, ActionOutcome.UNCHANGED),
+        (State.LOST, ActionKind.DEAD_LETTER, ActionOutcome.CONFLICT),
+        (State.IN_FLIGHT, ActionKind.ACK, ActionOutcome.APPLIED),
+        (State.LOST, ActionKind.ACK, ActionOutcome.APPLIED),
     ],
 )
-def test_action_rules(state: State, action: ActionKind, outcome: Outcome) -> None:
+def test_action_rules(state: State, action: ActionKind, outcome: ActionOutcome) -> None:
     entry = replace(ENTRY, state=state, due_at_ms=None if state is State.LOST else NOW + 60_000)
     decision = decide_action(entry, request(action, extend_ms=5000, reason="why"), NOW)
     assert decision.outcome is outcome, decision.detail
-    if outcome is not Outcome.APPLIED:
+    if outcome is not ActionOutcome.APPLIED:
         assert decision.changes is None
         assert not decision.delete
         return
@@ -169,12 +169,12 @@ def test_action_rules(state: State, action: ActionKind, outcome: Outcome) -> Non
 
 def test_redeliver_of_a_due_message_changes_nothing_and_claimed_ones_are_left_alone() -> None:
     due = replace(ENTRY, due_at_ms=NOW - 1)
-    assert decide_action(due, request(ActionKind.REDELIVER), NOW).outcome is Outcome.UNCHANGED
+    assert decide_action(due, request(ActionKind.REDELIVER), NOW).outcome is ActionOutcome.UNCHANGED
     claimed = replace(ENTRY, claim_token=ROUND, due_at_ms=NOW + 1000)
     for action in ActionKind:
-        assert decide_action(claimed, request(action), NOW).outcome is Outcome.CONFLICT
+        assert decide_action(claimed, request(action), NOW).outcome is ActionOutcome.CONFLICT
     stale = replace(ENTRY, claim_token=ROUND, due_at_ms=NOW - 1000)  # its replica died
-    assert decide_action(stale, request(ActionKind.ACK), NOW).outcome is Outcome.APPLIED
+    assert decide_action(stale, request(ActionKind.ACK), NOW).outcome is ActionOutcome.APPLIED
 
 
 def test_message_ids() -> None:

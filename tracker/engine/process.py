@@ -24,7 +24,7 @@ from tracker.engine.ingest import MarkerIngest
 from tracker.engine.parking import InvalidMarkerParker
 from tracker.engine.payloads import PayloadKeeper
 from tracker.engine.redeliver import Redeliverer, TrackerEvent
-from tracker.engine.redrive import RedriveRunner
+from tracker.engine.redrive_runner import RedriveRunner
 from tracker.engine.topics import TopicCatalog
 from tracker.errors import KmqError
 from tracker.kafka.admin import ensure_topic, topic_timestamp_type
@@ -36,8 +36,8 @@ from tracker.metrics import Metrics
 from tracker.ports import EngineHealth
 from tracker.settings import TrackerSettings
 from tracker.store import Store, StoreUnavailable
-from tracker.store.admin import AdminStore
 from tracker.store.migrate import check_schema, database_errors, upgrade
+from tracker.store.redrive_jobs import RedriveJobStore
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Tracker:
         )
         self.scanner = PartitionScanner(bootstrap, client_config=self._client_config)
         self.redrive = RedriveRunner(
-            admin=AdminStore(self.store, settings.markers_topic),
+            jobs=RedriveJobStore(self.store, settings.markers_topic),
             producer=self._producer,
             originals=self.originals,
             scanner=self.scanner,

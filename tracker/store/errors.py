@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tracker.errors import KmqError
 
 
@@ -23,3 +25,25 @@ class SchemaOutdated(KmqError):
 
 class MigrationRefused(KmqError):
     """Alembic refused the migration asked for (an unknown revision, say): nothing was run."""
+
+
+class IdempotencyConflict(KmqError):
+    """The Idempotency-Key was already used for a different request."""
+
+
+class LeaseLost(KmqError):
+    """This replica no longer holds the redrive job's lease (another replica took it over)."""
+
+
+class JobNotCancellable(KmqError):
+    """The redrive job already finished; it cannot be cancelled."""
+
+
+class UnknownDeadLetters(KmqError):
+    """Some of the requested dead letters do not exist."""
+
+    def __init__(self, missing: Sequence[int]) -> None:
+        shown = ", ".join(str(i) for i in list(missing)[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        super().__init__(f"no dead letters with ids {shown}{more}")
+        self.missing = list(missing)

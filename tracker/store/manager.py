@@ -773,7 +773,7 @@ class Store:
         # size: MIN over an IN list scanned every owned row on PostgreSQL (35x slower at 1M
         # entries than at 10k). ORDER BY .. LIMIT 1 rather than MIN, which PostgreSQL turns
         # into that probe only once its statistics say the partition has many rows (see
-        # _probes in tracker/store/admin.py).
+        # _probes in tracker/store/inspection.py).
         earliest = [
             select(tracked.c.due_at_ms)
             .where(tracked.c.markers_partition == p, tracked.c.due_at_ms.is_not(None))

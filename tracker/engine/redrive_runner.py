@@ -7,7 +7,7 @@ record is read back from the DLQ topic, its ``kmq-dlq-*`` headers are dropped, a
 produced to the target with the headers ``kmq-redrive-job`` and ``kmq-redrive-item`` (the dead
 letter's id), so every republished record says where it came from.
 
-Never twice (see also :mod:`tracker.store.admin`):
+Never twice (see also :mod:`tracker.store.redrive_jobs`):
 
 1. Before anything is produced in a lease, the target partitions' end offsets are recorded in
    the job (``scan_offsets``; from fetch responses, since tansu's ListOffsets is wrong after
@@ -44,6 +44,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from tracker.clock import Clock, SystemClock, to_millis
+from tracker.domain.jobs import ItemState, JobState
 from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
 from tracker.ids import MessageId
@@ -52,15 +53,8 @@ from tracker.kafka.scan import PartitionScanner
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
 from tracker.store import StoreUnavailable
-from tracker.store.admin import (
-    AdminStore,
-    ItemState,
-    JobState,
-    LeaseLost,
-    Produced,
-    RedriveJobView,
-    RedriveWork,
-)
+from tracker.store.errors import LeaseLost
+from tracker.store.redrive_jobs import Produced, RedriveJobRecord, RedriveJobStore, RedriveWork
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +178,7 @@ class RedriveRunner:
     def __init__(
         self,
         *,
-        admin: AdminStore,
+        jobs: RedriveJobStore,
         producer: Any,
         originals: OriginalsSource,
         scanner: PartitionScanner,
@@ -204,7 +198,7 @@ class RedriveRunner:
         ``on_produced`` is called after a batch was acknowledged by the broker and before it
         is recorded: a seam for tests that simulate a crash in exactly that window.
         """
-        self._admin = admin
+        self._jobs = jobs
         self._producer = producer
         self._originals = originals
         self._scanner = scanner
@@ -238,9 +232,7 @@ class RedriveRunner:
         while not stopping.is_set():
             token = uuid.uuid4().hex
             try:
-                job = await self._admin.claim_job(
-                    self._owner, token, self._now_ms(), self._lease_ms
-                )
+                job = await self._jobs.claim_job(self._owner, token, self._now_ms(), self._lease_ms)
             except StoreUnavailable as exc:
                 self.last_error = f"store: {exc}"
                 log.warning("redrive paused, store unavailable: %s", exc)
@@ -257,7 +249,7 @@ class RedriveRunner:
         self._wake.clear()
         await wait_any(self._wake, stopping, timeout=seconds)
 
-    async def _run_job(self, job: RedriveJobView, token: str, stopping: asyncio.Event) -> None:
+    async def _run_job(self, job: RedriveJobRecord, token: str, stopping: asyncio.Event) -> None:
         start = self._monotonic()
         lease = _Lease(
             job.id,
@@ -277,13 +269,13 @@ class RedriveRunner:
                     self.last_error = str(exc)
                     log.warning("redrive job %s: %s; retrying", job.id, exc)
                     with contextlib.suppress(StoreUnavailable):
-                        await self._admin.set_error(job.id, token, str(exc), self._now_ms())
+                        await self._jobs.set_error(job.id, token, str(exc), self._now_ms())
                     await self._pause(stopping, backoff)
                     backoff = min(backoff * 2, 10.0)
                     if stopping.is_set():
                         await self._release(lease)
                         return
-                    refreshed = await self._admin.get_job(job.id)
+                    refreshed = await self._jobs.get_job(job.id)
                     if refreshed is None:
                         return
                     job = refreshed
@@ -300,14 +292,14 @@ class RedriveRunner:
 
     async def _release(self, lease: _Lease) -> None:
         with contextlib.suppress(StoreUnavailable):
-            await self._admin.release_lease(lease.job_id, lease.token, self._now_ms())
+            await self._jobs.release_lease(lease.job_id, lease.token, self._now_ms())
 
     async def _renew(self, lease: _Lease, *, force: bool = False) -> bool:
         """Renew the lease when due (or ``force``); returns whether a cancel was requested."""
         now = self._monotonic()
         if not force and now < lease.renew_at:
             return False
-        cancel = await self._admin.renew_lease(
+        cancel = await self._jobs.renew_lease(
             lease.job_id, lease.token, self._now_ms(), self._lease_ms
         )
         lease.renew_at = now + self._lease_seconds / 3
@@ -315,12 +307,12 @@ class RedriveRunner:
 
     # -- one lease ------------------------------------------------------------------------------
 
-    async def _work(self, job: RedriveJobView, lease: _Lease, stopping: asyncio.Event) -> None:
+    async def _work(self, job: RedriveJobRecord, lease: _Lease, stopping: asyncio.Event) -> None:
         """Recover, record where this lease starts, then republish until done or stopped."""
-        targets = await self._admin.job_targets(job)
+        targets = await self._jobs.job_targets(job)
         counts = await self._scanner.partition_counts(targets)
         if job.scan_offsets is not None:
-            sending = await self._admin.sending_items(job.id)
+            sending = await self._jobs.sending_items(job.id)
             if sending:
                 await self._recover(job, lease, counts, sending)
         tps = [TopicPartition(t, p) for t, n in counts.items() if n for p in range(n)]
@@ -328,23 +320,21 @@ class RedriveRunner:
         offsets: dict[str, dict[int, int]] = {}
         for tp, end in ends.items():
             offsets.setdefault(tp.topic, {})[tp.partition] = end
-        await self._admin.set_scan_offsets(job.id, lease.token, offsets, self._now_ms())
+        await self._jobs.set_scan_offsets(job.id, lease.token, offsets, self._now_ms())
         missing_topics = {t for t, n in counts.items() if not n}
         bucket = TokenBucket(job.rate, clock=self._monotonic, sleep=self._sleep)
         cancel = await self._renew(lease, force=True)
         while True:
             if cancel:
-                await self._admin.finish_job(
-                    job.id, lease.token, JobState.CANCELLED, self._now_ms()
-                )
+                await self._jobs.finish_job(job.id, lease.token, JobState.CANCELLED, self._now_ms())
                 log.info("redrive job %s cancelled", job.id)
                 return
             if stopping.is_set():
                 await self._release(lease)
                 return
-            work = await self._admin.next_work(job.id, self._chunk)
+            work = await self._jobs.next_work(job.id, self._chunk)
             if not work:
-                await self._admin.finish_job(job.id, lease.token, JobState.DONE, self._now_ms())
+                await self._jobs.finish_job(job.id, lease.token, JobState.DONE, self._now_ms())
                 log.info("redrive job %s done", job.id)
                 return
             ready = await self._prepare(job, lease, work, missing_topics)
@@ -354,7 +344,7 @@ class RedriveRunner:
 
     async def _recover(
         self,
-        job: RedriveJobView,
+        job: RedriveJobRecord,
         lease: _Lease,
         counts: dict[str, int | None],
         sending: set[int],
@@ -375,7 +365,7 @@ class RedriveRunner:
 
         await self._scanner.scan(ranges, collect)
         if found:
-            await self._admin.mark_done(job.id, lease.token, list(found.values()), self._now_ms())
+            await self._jobs.mark_done(job.id, lease.token, list(found.values()), self._now_ms())
         log.info(
             "redrive job %s: %d of %d reserved items were already produced (recorded now); "
             "the rest is sent again",
@@ -386,7 +376,7 @@ class RedriveRunner:
 
     async def _prepare(
         self,
-        job: RedriveJobView,
+        job: RedriveJobRecord,
         lease: _Lease,
         work: list[RedriveWork],
         missing_topics: set[str],
@@ -394,7 +384,7 @@ class RedriveRunner:
         """Reserve pending items, read their DLQ records; skip what cannot be sent."""
         now_ms = self._now_ms()
         pending = [w.dead_letter_id for w in work if w.state is ItemState.PENDING]
-        reserved = set((await self._admin.reserve(job.id, lease.token, pending, now_ms)).reserved)
+        reserved = set((await self._jobs.reserve(job.id, lease.token, pending, now_ms)).reserved)
         sendable = [w for w in work if w.state is ItemState.SENDING or w.dead_letter_id in reserved]
         skip: list[tuple[int, str]] = []
         wanted: list[RedriveWork] = []
@@ -419,12 +409,12 @@ class RedriveRunner:
                 )
             else:  # pragma: no cover - fetch answers every position or raises
                 raise OriginalsUnavailable(f"no answer for DLQ record {position}")
-        await self._admin.skip_reserved(job.id, lease.token, skip, now_ms)
+        await self._jobs.skip_reserved(job.id, lease.token, skip, now_ms)
         return ready
 
     async def _send(
         self,
-        job: RedriveJobView,
+        job: RedriveJobRecord,
         lease: _Lease,
         ready: list[tuple[RedriveWork, str, OriginalRecord]],
         bucket: TokenBucket,
@@ -476,7 +466,7 @@ class RedriveRunner:
                 )
             if self._on_produced is not None:
                 await self._on_produced(produced)
-            cancel = await self._admin.mark_done(job.id, lease.token, produced, self._now_ms())
+            cancel = await self._jobs.mark_done(job.id, lease.token, produced, self._now_ms())
             for done in produced:
                 self._metrics.redrive_published.labels(done.topic).inc()
             self._metrics.redrive_batch_seconds.observe(time.perf_counter() - started)

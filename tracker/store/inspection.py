@@ -1,0 +1,474 @@
+"""The admin API's reads: tracked messages (filtered, keyset-paginated, with the offsets that
+tracked ranges stand for), one message's record, per-topic statistics, dead letters."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Select,
+    func,
+    select,
+    tuple_,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tracker.domain.entries import EntryKey, State
+from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
+
+from .admin_reads import (
+    CHUNK,
+    ENTRY_VIEW_COLUMNS,
+    AdminQueries,
+    DeadLetterFilter,
+    EntryView,
+    actions_table,
+    dead_letter_where,
+    entry_view,
+    typed_row,
+)
+from .manager import (
+    KEY_COLUMNS,
+    StoredPayload,
+    chunks,
+    dead_letter_counts,
+    dead_letters,
+    decode_headers,
+    ranges_table,
+    tracked,
+    tracked_counts,
+)
+from .operator_actions import ActionRecord, action_record
+
+
+class EntryOrder(enum.StrEnum):
+    KEY = "key"  #: by (group, topic, partition, offset): stable under any concurrent writes
+    DUE = "due"  #: by due time, then key: stable under inserts; excludes lost entries
+
+
+@dataclass(frozen=True, slots=True)
+class EntryFilter:
+    """Conditions of a listing of tracked messages; ``None`` means "any"."""
+
+    topic: str | None = None
+    partition: int | None = None
+    states: tuple[State, ...] = ()
+    group: str | None = None
+    due_before_ms: int | None = None
+    due_after_ms: int | None = None
+    min_attempt: int | None = None
+    #: first delivered strictly before (how old a message is, whatever its attempts)
+    seen_before_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MessageRecord:
+    """What the store knows of one message (``InspectionQueries.message_record``)."""
+
+    view: EntryView | None  #: its tracked entry, if it is tracked
+    actions: list[ActionRecord]  #: operator actions on it, oldest first
+    dead_letters: list[dict[str, Any]]  #: its dead letters, oldest first
+
+
+def _entry_where(query: Select[Any], flt: EntryFilter) -> Select[Any]:
+    if flt.topic is not None:
+        query = query.where(tracked.c.origin_topic == flt.topic)
+    if flt.partition is not None:
+        query = query.where(tracked.c.origin_partition == flt.partition)
+    if flt.states:
+        query = query.where(tracked.c.state.in_([s.value for s in flt.states]))
+    if flt.group is not None:
+        query = query.where(tracked.c.group_id == flt.group)
+    if flt.due_before_ms is not None:
+        query = query.where(tracked.c.due_at_ms < flt.due_before_ms)
+    if flt.due_after_ms is not None:
+        query = query.where(tracked.c.due_at_ms >= flt.due_after_ms)
+    if flt.min_attempt is not None:
+        query = query.where(tracked.c.attempt >= flt.min_attempt)
+    if flt.seen_before_ms is not None:
+        query = query.where(tracked.c.first_seen_ms < flt.seen_before_ms)
+    return query
+
+
+def _after(sort: Sequence[Any], after: Sequence[Any], flt: EntryFilter) -> Any:
+    """The keyset condition "after ``after`` in ``sort`` order", as an index range.
+
+    A column the filter fixes (the topic, the group) is left out of the row comparison when
+    the cursor has the same value there: the comparison is the same, and what is left is
+    the rest of the listing's index (``ix_tracked_topic_key``: topic, group, partition,
+    offset), which the planners can then seek instead of filtering the topic from its start.
+    """
+    fixed = {tracked.c.origin_topic.key: flt.topic, tracked.c.group_id.key: flt.group}
+    kept = [
+        (column, value)
+        for column, value in zip(sort, after, strict=True)
+        if fixed.get(column.key) is None or fixed[column.key] != value
+    ]
+    columns = [column for column, _ in kept]
+    return tuple_(*columns) > typed_row(columns, [value for _, value in kept])
+
+
+def _sort_key(order: EntryOrder) -> Any:
+    """The keyset sort key of a listing in ``order`` (as ``after`` gives it)."""
+    if order is EntryOrder.KEY:
+        return lambda view: view.entry.key
+    return lambda view: (view.entry.due_at_ms, *view.entry.key)
+
+
+def _first_range_views(
+    ranges: Iterable[TrackedRange],
+    sort_key: Callable[[EntryView], tuple[Any, ...]],
+    after: Sequence[Any] | None,
+    limit: int,
+) -> list[EntryView]:
+    """The first ``limit`` entries (by ``sort_key``, after ``after``) the ranges stand for.
+
+    Ranges are expanded in the order of their first entries, and the walk stops once
+    ``limit`` entries are certain: a page reads a few ranges' offsets, not ``limit`` ranges'
+    worth (100 ranges of 500 offsets made every page build 10,000 entries). Within a range
+    the order is its offsets' (one due time per range).
+    """
+
+    def first_view(tracked_range: TrackedRange) -> EntryView:
+        return EntryView(tracked_range.entry_at(next(tracked_range.offsets())), False)
+
+    views: list[EntryView] = []
+    threshold: tuple[Any, ...] | None = None
+    for tracked_range in sorted(ranges, key=lambda t: sort_key(first_view(t))):
+        if threshold is not None and sort_key(first_view(tracked_range)) > threshold:
+            break
+        taken = 0
+        for offset in tracked_range.offsets():
+            view = EntryView(tracked_range.entry_at(offset), False)
+            if after is not None and sort_key(view) <= tuple(after):
+                continue
+            if threshold is not None and sort_key(view) > threshold:
+                break
+            views.append(view)
+            taken += 1
+            if taken >= limit:
+                break
+        if len(views) >= limit:
+            views.sort(key=sort_key)
+            del views[limit:]
+            threshold = sort_key(views[-1])
+    return views
+
+
+@dataclass(slots=True)
+class TopicCounts:
+    """Per origin topic: what the store holds right now (all consumer groups together)."""
+
+    topic: str
+    in_flight: int = 0
+    delayed: int = 0
+    rejected: int = 0
+    lost: int = 0
+    oldest_in_flight_first_seen_ms: int | None = None
+    next_delayed_due_ms: int | None = None
+    dead_lettered: int = 0  #: dead letters recorded, redriven or not
+    dead_letters_waiting: int = 0  #: dead letters not redriven
+    dead_lettered_recently: int = 0  #: dead-lettered since the ``since_ms`` asked for
+
+
+#: Scalar subqueries per statement in :meth:`InspectionQueries.topic_counts` (SQLite's default
+#: limit on a SELECT's columns is 2,000).
+_PROBES_PER_QUERY = 100
+
+
+def _probes(counts: TopicCounts, since_ms: int) -> list[tuple[TopicCounts, str, Any]]:
+    """The figures of a topic that counters cannot keep: (counts, attribute, scalar query)."""
+    t, d = tracked.c, dead_letters.c
+    probes: list[tuple[TopicCounts, str, Any]] = []
+    if counts.in_flight:
+        # One probe of ix_tracked_topic_state (origin_topic, state, first_seen_ms). Written
+        # as ORDER BY .. LIMIT 1, not MIN(): PostgreSQL turns MIN into that probe only when
+        # its statistics say the topic has many rows; before the table is analyzed (after a
+        # bulk load) it read all 1M index entries instead (500 ms).
+        oldest = (
+            select(t.first_seen_ms)
+            .where(t.origin_topic == counts.topic, t.state == State.IN_FLIGHT.value)
+            .order_by(t.first_seen_ms)
+            .limit(1)
+        )
+        probes.append((counts, "oldest_in_flight_first_seen_ms", oldest))
+    if counts.delayed:
+        # Walks ix_tracked_state_due_key (state, due_at_ms, ...) to the topic's first delayed entry:
+        # cheap however many delayed entries the topic has. ``|| ''`` keeps the planners
+        # from choosing the topic index instead, which would read all of them and sort.
+        next_due = (
+            select(t.due_at_ms)
+            .where(
+                t.state == State.DELAYED.value,
+                t.due_at_ms.is_not(None),
+                t.origin_topic.concat("") == counts.topic,
+            )
+            .order_by(t.due_at_ms)
+            .limit(1)
+        )
+        probes.append((counts, "next_delayed_due_ms", next_due))
+    if counts.dead_lettered:
+        # A range of ix_dead_letters_topic_time: as long as the recent dead letters.
+        recent = select(func.count()).where(
+            d.origin_topic == counts.topic, d.dead_lettered_ms >= since_ms
+        )
+        probes.append((counts, "dead_lettered_recently", recent))
+    return probes
+
+
+class InspectionQueries(AdminQueries):
+    """What operators look at: listings, one message's record, statistics, dead letters."""
+
+    async def list_entries(
+        self,
+        flt: EntryFilter,
+        *,
+        order: EntryOrder = EntryOrder.KEY,
+        after: Sequence[Any] | None = None,
+        limit: int = 100,
+    ) -> list[EntryView]:
+        """One page of tracked entries, after the keyset position ``after``.
+
+        ``after`` is the sort key of the last row of the previous page: the entry key for
+        :attr:`EntryOrder.KEY`, ``(due_at_ms, *key)`` for :attr:`EntryOrder.DUE`. Keyset
+        pagination never repeats or skips a row whose sort key does not change meanwhile.
+        """
+        query = _entry_where(select(*ENTRY_VIEW_COLUMNS), flt)
+        sort = KEY_COLUMNS if order is EntryOrder.KEY else (tracked.c.due_at_ms, *KEY_COLUMNS)
+        if order is EntryOrder.DUE:
+            query = query.where(tracked.c.due_at_ms.is_not(None))
+        if after is not None:
+            query = query.where(_after(sort, after, flt))
+        query = query.order_by(*sort)
+        async with self._transaction(read_only=True) as conn:
+            rows = await conn.execute(query.limit(limit))
+            views = [entry_view(row) for row in rows]
+            in_ranges = await self._range_views(conn, flt, order, after, limit)
+        if not in_ranges:
+            return views
+        sort_key = _sort_key(order)
+        return sorted([*views, *in_ranges], key=sort_key)[:limit]
+
+    async def _range_views(
+        self,
+        conn: AsyncConnection,
+        flt: EntryFilter,
+        order: EntryOrder,
+        after: Sequence[Any] | None,
+        limit: int,
+    ) -> list[EntryView]:
+        """The first ``limit`` entries (in ``order``, after ``after``) that tracked ranges
+        stand for (``tracker/domain/ranges.py``): each open offset is an in-flight entry.
+
+        Ranges are read in (lane, first offset) order, or (due, lane, first offset): the
+        first ``limit`` of them hold the first ``limit`` entries, because every range holds
+        its first offset. Only where ``after`` falls inside a lane are the ranges that
+        straddle it (first offset before it, last after it) read as well.
+        """
+        if flt.states and State.IN_FLIGHT not in flt.states:
+            return []
+        if flt.min_attempt is not None and flt.min_attempt > 1:
+            return []
+        r = ranges_table.c
+        base = select(*(r[name] for name in RANGE_COLUMN_NAMES))
+        if flt.topic is not None:
+            base = base.where(r.origin_topic == flt.topic)
+        if flt.partition is not None:
+            base = base.where(r.origin_partition == flt.partition)
+        if flt.group is not None:
+            base = base.where(r.group_id == flt.group)
+        if flt.due_before_ms is not None:
+            base = base.where(r.due_at_ms < flt.due_before_ms)
+        if flt.due_after_ms is not None:
+            base = base.where(r.due_at_ms >= flt.due_after_ms)
+        if flt.seen_before_ms is not None:
+            base = base.where(r.first_seen_ms < flt.seen_before_ms)
+        lane = (r.group_id, r.origin_topic, r.origin_partition)
+        queries: list[Select[Any]] = []
+        by: tuple[Any, ...]
+        if order is EntryOrder.KEY:
+            by = (*lane, r.first_offset)
+            if after is None:
+                queries.append(base.order_by(*by).limit(limit))
+            else:
+                here = [c == v for c, v in zip(lane, after[:3], strict=True)]
+                o = after[3]
+                queries += [
+                    base.where(
+                        *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
+                    ),
+                    base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
+                    base.where(tuple_(*lane) > typed_row(lane, after[:3]))
+                    .order_by(*by)
+                    .limit(limit),
+                ]
+        else:
+            by = (r.due_at_ms, *lane, r.first_offset)
+            if after is None:
+                queries.append(base.order_by(*by).limit(limit))
+            else:
+                due, o = after[0], after[4]
+                here = [
+                    r.due_at_ms == due,
+                    *(c == v for c, v in zip(lane, after[1:4], strict=True)),
+                ]
+                later = (r.due_at_ms, *lane)
+                queries += [
+                    base.where(
+                        *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
+                    ),
+                    base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
+                    base.where(tuple_(*later) > typed_row(later, after[:4]))
+                    .order_by(*by)
+                    .limit(limit),
+                ]
+        found: dict[tuple[Any, ...], TrackedRange] = {}
+        for query in queries:
+            for row in await conn.execute(query):
+                tracked_range = TrackedRange.from_row(row)
+                found[tracked_range.key] = tracked_range
+        return _first_range_views(found.values(), _sort_key(order), after, limit)
+
+    async def get_entry(self, key: EntryKey) -> EntryView | None:
+        async with self._transaction(read_only=True) as conn:
+            return await self._entry_view_at(conn, key)
+
+    async def stored_payload(self, key: EntryKey) -> StoredPayload | None:
+        """The payload copy the store keeps for a long delay, if any."""
+        async with self._transaction(read_only=True) as conn:
+            row = (
+                await conn.execute(
+                    select(
+                        tracked.c.payload_key,
+                        tracked.c.payload_value,
+                        tracked.c.payload_headers,
+                        tracked.c.payload_timestamp_ms,
+                    ).where(tuple_(*KEY_COLUMNS) == key, tracked.c.payload_stored.is_(True))
+                )
+            ).first()
+        if row is None:
+            return None
+        m = row._mapping
+        return StoredPayload(
+            m["payload_key"],
+            m["payload_value"],
+            decode_headers(m["payload_headers"]),
+            m["payload_timestamp_ms"] or 0,
+        )
+
+    async def message_record(self, key: EntryKey, limit: int = 100) -> MessageRecord:
+        """Everything the store knows of one message, read in one transaction: its entry,
+        the latest ``limit`` operator actions and dead letters, each oldest first."""
+        a, d = actions_table.c, dead_letters.c
+        actions = (
+            select(actions_table)
+            .where(tuple_(a.group_id, a.origin_topic, a.origin_partition, a.origin_offset) == key)
+            .order_by(a.id.desc())
+            .limit(limit)
+        )
+        dead = (
+            select(dead_letters)
+            .where(tuple_(d.group_id, d.origin_topic, d.origin_partition, d.origin_offset) == key)
+            .order_by(d.id.desc())
+            .limit(limit)
+        )
+        async with self._transaction(read_only=True) as conn:
+            view = await self._entry_view_at(conn, key)
+            action_rows = list(await conn.execute(actions))
+            dead_rows = list(await conn.execute(dead))
+        return MessageRecord(
+            view,
+            [action_record(row) for row in reversed(action_rows)],
+            [dict(row._mapping) for row in reversed(dead_rows)],
+        )
+
+    # -- statistics -------------------------------------------------------------------------
+
+    async def topic_counts(
+        self, *, since_ms: int, topic: str | None = None
+    ) -> dict[str, TopicCounts]:
+        """Per origin topic: entries by state, oldest ages, dead letters (recent and waiting).
+
+        The counts come from the counter tables (migration 0003: entries kept by the store,
+        dead letters by triggers), a few rows whatever the table's size; then, per topic, one
+        index probe each for the oldest in-flight message, the next delayed one and the
+        recent dead letters.
+        """
+        c = tracked_counts.c
+        entries = select(c.origin_topic, c.state, func.sum(c.entries)).group_by(
+            c.origin_topic, c.state
+        )
+        dc = dead_letter_counts.c
+        dead = select(dc.origin_topic, dc.total, dc.waiting)
+        if topic is not None:
+            entries = entries.where(c.origin_topic == topic)
+            dead = dead.where(dc.origin_topic == topic)
+        out: dict[str, TopicCounts] = {}
+        async with self._transaction(read_only=True) as conn:
+            for name, state, count in await conn.execute(entries):
+                if not count:
+                    continue
+                counts = out.setdefault(name, TopicCounts(name))
+                if state == State.IN_FLIGHT.value:
+                    counts.in_flight = int(count)
+                elif state == State.DELAYED.value:
+                    counts.delayed = int(count)
+                elif state == State.REJECTED.value:
+                    counts.rejected = int(count)
+                elif state == State.LOST.value:
+                    counts.lost = int(count)
+            for name, total, waiting in await conn.execute(dead):
+                if total:
+                    counts = out.setdefault(name, TopicCounts(name))
+                    counts.dead_lettered, counts.dead_letters_waiting = int(total), int(waiting)
+            probes = [probe for counts in out.values() for probe in _probes(counts, since_ms)]
+            for chunk in chunks(probes, _PROBES_PER_QUERY):
+                queries = (query.scalar_subquery() for _, _, query in chunk)
+                found = (await conn.execute(select(*queries))).one()
+                for (counts, attribute, _), value in zip(chunk, found, strict=True):
+                    setattr(counts, attribute, value)
+            await self._oldest_in_ranges(conn, out)
+        return out
+
+    async def _oldest_in_ranges(
+        self, conn: AsyncConnection, counts: dict[str, TopicCounts]
+    ) -> None:
+        """Let the tracked ranges' first-seen times count for the oldest in-flight message."""
+        topics = sorted(name for name, c in counts.items() if c.in_flight)
+        r = ranges_table.c
+        for chunk in chunks(topics, CHUNK):
+            rows = await conn.execute(
+                select(r.origin_topic, func.min(r.first_seen_ms))
+                .where(r.origin_topic.in_(chunk))
+                .group_by(r.origin_topic)
+            )
+            for name, seen in rows:
+                if seen is None:
+                    continue
+                topic = counts[name]
+                oldest = topic.oldest_in_flight_first_seen_ms
+                topic.oldest_in_flight_first_seen_ms = seen if oldest is None else min(oldest, seen)
+
+    # -- dead letters -----------------------------------------------------------------------
+
+    async def list_dead_letters(
+        self, flt: DeadLetterFilter, *, before_id: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """One page of dead letters, newest first, with ids below ``before_id``."""
+        query = dead_letter_where(select(dead_letters), flt)
+        if before_id is not None:
+            query = query.where(dead_letters.c.id < before_id)
+        query = query.order_by(dead_letters.c.id.desc()).limit(limit)
+        async with self._transaction(read_only=True) as conn:
+            return [dict(row._mapping) for row in await conn.execute(query)]
+
+    async def get_dead_letter(self, dead_letter_id: int) -> dict[str, Any] | None:
+        async with self._transaction(read_only=True) as conn:
+            row = (
+                await conn.execute(select(dead_letters).where(dead_letters.c.id == dead_letter_id))
+            ).first()
+        return dict(row._mapping) if row is not None else None

@@ -1,0 +1,700 @@
+"""Redrive jobs in the store: created by the API, run by a runner that holds a lease.
+
+Redrive jobs never republish a dead letter twice:
+
+* A dead letter is *reserved* for a job (``dead_letters.redriven_ms`` set where it was NULL)
+  before it is produced, so two jobs can never both send it.
+* An item is marked done in the same moment its produce is acknowledged (one transaction per
+  batch), fenced by the job's lease token: a replica that lost its lease writes nothing.
+* A replica that takes a job over scans the target partitions from the offsets recorded when
+  the previous lease began (``scan_offsets``) for records carrying the job's header, and marks
+  what it finds done before sending anything (see :mod:`tracker.engine.redrive_runner`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    String,
+    and_,
+    bindparam,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tracker.domain.jobs import ItemState, JobState
+
+from .admin_reads import (
+    CHUNK,
+    AdminQueries,
+    DeadLetterFilter,
+    dead_letter_where,
+    items_table,
+    jobs_table,
+)
+from .errors import IdempotencyConflict, JobNotCancellable, LeaseLost, UnknownDeadLetters
+from .manager import dead_letters
+
+#: Where each item of a batch was produced (executemany; bind names differ from columns).
+_SET_PRODUCED = (
+    update(items_table)
+    .where(
+        items_table.c.job_id == bindparam("b_job"),
+        items_table.c.dead_letter_id == bindparam("b_item"),
+    )
+    .values(
+        target_topic=bindparam("b_topic"),
+        produced_partition=bindparam("b_partition"),
+        produced_offset=bindparam("b_offset"),
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveSpec:
+    """What a new redrive job is asked to do."""
+
+    selection: DeadLetterFilter | tuple[int, ...]
+    target_topic: str | None
+    rate: float
+    dry_run: bool
+    actor: str
+    reason: str = ""
+    idempotency_key: str | None = None
+
+    def selection_json(self) -> str:
+        if isinstance(self.selection, DeadLetterFilter):
+            return json.dumps({"filter": self.selection.to_json()}, sort_keys=True)
+        return json.dumps({"ids": list(self.selection)})
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        return (self.selection_json(), self.target_topic, float(self.rate), self.dry_run)
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveJobRecord:
+    id: int
+    state: JobState
+    selection: dict[str, Any]
+    target_topic: str | None
+    rate: float
+    dry_run: bool
+    total: int
+    done: int
+    skipped: int
+    created_by: str
+    reason: str
+    created_ms: int
+    updated_ms: int
+    started_ms: int | None
+    finished_ms: int | None
+    cancel_requested: bool
+    owner: str | None
+    lease_token: str | None
+    lease_until_ms: int | None
+    scan_offsets: dict[str, dict[int, int]] | None
+    last_error: str
+    idempotency_key: str | None
+    replayed: bool = False
+
+    @property
+    def pending(self) -> int:
+        return max(0, self.total - self.done - self.skipped)
+
+
+def job_record(row: Any, *, replayed: bool = False) -> RedriveJobRecord:
+    m = row._mapping
+    offsets: dict[str, dict[int, int]] | None = None
+    if m["scan_offsets"]:
+        raw = json.loads(m["scan_offsets"])
+        offsets = {t: {int(p): int(o) for p, o in ps.items()} for t, ps in raw.items()}
+    try:
+        selection = json.loads(m["selection"])
+    except ValueError:
+        selection = {}
+    return RedriveJobRecord(
+        id=m["id"],
+        state=JobState(m["state"]),
+        selection=selection,
+        target_topic=m["target_topic"],
+        rate=float(m["rate"]),
+        dry_run=bool(m["dry_run"]),
+        total=int(m["total_count"]),
+        done=int(m["done_count"]),
+        skipped=int(m["skipped_count"]),
+        created_by=m["created_by"],
+        reason=m["reason"],
+        created_ms=m["created_ms"],
+        updated_ms=m["updated_ms"],
+        started_ms=m["started_ms"],
+        finished_ms=m["finished_ms"],
+        cancel_requested=bool(m["cancel_requested"]),
+        owner=m["owner"],
+        lease_token=m["lease_token"],
+        lease_until_ms=m["lease_until_ms"],
+        scan_offsets=offsets,
+        last_error=m["last_error"],
+        idempotency_key=m["idempotency_key"],
+        replayed=replayed,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveWork:
+    """An unfinished item with what is needed to republish its dead letter."""
+
+    dead_letter_id: int
+    state: ItemState
+    origin_topic: str
+    dlq_topic: str
+    dlq_partition: int
+    dlq_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Produced:
+    dead_letter_id: int
+    topic: str
+    partition: int
+    offset: int
+
+
+@dataclass(slots=True)
+class ReserveResult:
+    reserved: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+
+class RedriveJobStore(AdminQueries):
+    """Redrive jobs: the API creates, lists and cancels them; a runner claims and records."""
+
+    async def create_redrive_job(self, spec: RedriveSpec, now_ms: int) -> RedriveJobRecord:
+        """Create a job and snapshot its items (the matching dead letters not yet redriven).
+
+        A dry run only counts: the job is created finished, with ``total`` the number of dead
+        letters it would republish and ``skipped`` those already redriven (explicit ids).
+        Raises :class:`UnknownDeadLetters` for explicit ids that do not exist and
+        :class:`IdempotencyConflict` for a reused idempotency key with another request.
+        """
+        try:
+            return await self._create_redrive_job(spec, now_ms)
+        except IntegrityError:
+            if spec.idempotency_key is None:
+                raise
+            async with self._transaction() as conn:
+                replay = await self._idempotent_job(conn, spec)
+            if replay is None:  # pragma: no cover - the unique index says it exists
+                raise
+            return replay
+
+    async def _idempotent_job(
+        self, conn: AsyncConnection, spec: RedriveSpec
+    ) -> RedriveJobRecord | None:
+        row = (
+            await conn.execute(
+                select(jobs_table).where(jobs_table.c.idempotency_key == spec.idempotency_key)
+            )
+        ).first()
+        if row is None:
+            return None
+        m = row._mapping
+        if (m["selection"], m["target_topic"], float(m["rate"]), bool(m["dry_run"])) != (
+            spec.fingerprint()
+        ):
+            raise IdempotencyConflict(
+                f"Idempotency-Key {spec.idempotency_key!r} was already used for another "
+                f"request (redrive job {m['id']})"
+            )
+        return job_record(row, replayed=True)
+
+    async def _create_redrive_job(self, spec: RedriveSpec, now_ms: int) -> RedriveJobRecord:
+        d = dead_letters.c
+        async with self._transaction() as conn:
+            if spec.idempotency_key is not None:
+                replay = await self._idempotent_job(conn, spec)
+                if replay is not None:
+                    return replay
+            already: list[int] = []
+            if isinstance(spec.selection, DeadLetterFilter):
+                matching = dead_letter_where(select(d.id), spec.selection).where(
+                    d.redriven_ms.is_(None)
+                )
+            else:
+                wanted = sorted(set(spec.selection))
+                found: dict[int, bool] = {}
+                for start in range(0, len(wanted), CHUNK):
+                    chunk = wanted[start : start + CHUNK]
+                    rows = await conn.execute(
+                        select(d.id, d.redriven_ms.is_not(None)).where(d.id.in_(chunk))
+                    )
+                    found.update({int(i): bool(r) for i, r in rows})
+                missing = [i for i in wanted if i not in found]
+                if missing:
+                    raise UnknownDeadLetters(missing)
+                already = [i for i in wanted if found[i]]
+                matching = select(d.id).where(
+                    d.id.in_([i for i in wanted if not found[i]]), d.redriven_ms.is_(None)
+                )
+            count = int(
+                await conn.scalar(select(func.count()).select_from(matching.subquery())) or 0
+            )
+            finished = spec.dry_run
+            values: dict[str, Any] = {
+                "state": (JobState.DONE if finished else JobState.PENDING).value,
+                "selection": spec.selection_json(),
+                "target_topic": spec.target_topic,
+                "rate": float(spec.rate),
+                "dry_run": spec.dry_run,
+                "total_count": count + len(already),
+                "done_count": 0,
+                "skipped_count": len(already),
+                "created_by": spec.actor,
+                "reason": spec.reason,
+                "created_ms": now_ms,
+                "updated_ms": now_ms,
+                "finished_ms": now_ms if finished else None,
+                "idempotency_key": spec.idempotency_key,
+            }
+            result = await conn.execute(jobs_table.insert().values(**values))
+            (job_id,) = result.inserted_primary_key or (0,)
+            if not spec.dry_run:
+                await conn.execute(
+                    items_table.insert().from_select(
+                        ["job_id", "dead_letter_id", "state", "updated_ms"],
+                        select(
+                            literal(job_id, BigInteger()),
+                            matching.subquery().c.id,
+                            literal(ItemState.PENDING.value, String()),
+                            literal(now_ms, BigInteger()),
+                        ),
+                    )
+                )
+                if already:
+                    await conn.execute(
+                        items_table.insert(),
+                        [
+                            {
+                                "job_id": job_id,
+                                "dead_letter_id": i,
+                                "state": ItemState.SKIPPED.value,
+                                "detail": "already redriven",
+                                "updated_ms": now_ms,
+                            }
+                            for i in already
+                        ],
+                    )
+                if count == 0:
+                    await conn.execute(
+                        update(jobs_table)
+                        .where(jobs_table.c.id == job_id)
+                        .values(state=JobState.DONE.value, finished_ms=now_ms)
+                    )
+            row = (await conn.execute(select(jobs_table).where(jobs_table.c.id == job_id))).one()
+            return job_record(row)
+
+    async def get_job(self, job_id: int) -> RedriveJobRecord | None:
+        async with self._transaction(read_only=True) as conn:
+            row = (await conn.execute(select(jobs_table).where(jobs_table.c.id == job_id))).first()
+        return job_record(row) if row is not None else None
+
+    async def list_jobs(
+        self,
+        *,
+        states: Iterable[JobState] = (),
+        before_id: int | None = None,
+        limit: int = 100,
+    ) -> list[RedriveJobRecord]:
+        """One page of jobs, newest first, with ids below ``before_id``."""
+        query = select(jobs_table)
+        wanted = [s.value for s in states]
+        if wanted:
+            query = query.where(jobs_table.c.state.in_(wanted))
+        if before_id is not None:
+            query = query.where(jobs_table.c.id < before_id)
+        query = query.order_by(jobs_table.c.id.desc()).limit(limit)
+        async with self._transaction(read_only=True) as conn:
+            return [job_record(row) for row in await conn.execute(query)]
+
+    async def job_items(
+        self,
+        job_id: int,
+        *,
+        state: ItemState | None = None,
+        after_id: int | None = None,
+        limit: int,
+    ) -> list[dict[str, Any]]:
+        query = select(items_table).where(items_table.c.job_id == job_id)
+        if state is not None:
+            query = query.where(items_table.c.state == state.value)
+        if after_id is not None:
+            query = query.where(items_table.c.dead_letter_id > after_id)
+        query = query.order_by(items_table.c.dead_letter_id).limit(limit)
+        async with self._transaction(read_only=True) as conn:
+            return [dict(row._mapping) for row in await conn.execute(query)]
+
+    async def cancel_job(self, job_id: int, now_ms: int) -> RedriveJobRecord | None:
+        """Cancel a job: at once if it has not started, else ask its runner to stop.
+
+        Idempotent for a cancelled job; :class:`JobNotCancellable` for a done or failed one.
+        None for an unknown job.
+        """
+        j = jobs_table.c
+        async with self._transaction() as conn:
+            row = (await conn.execute(select(jobs_table).where(j.id == job_id))).first()
+            if row is None:
+                return None
+            state = JobState(row._mapping["state"])
+            if state in (JobState.DONE, JobState.FAILED):
+                raise JobNotCancellable(f"redrive job {job_id} already finished ({state.value})")
+            if state is JobState.PENDING:
+                changed = await conn.execute(
+                    update(jobs_table)
+                    .where(j.id == job_id, j.state == JobState.PENDING.value)
+                    .values(
+                        state=JobState.CANCELLED.value,
+                        cancel_requested=True,
+                        finished_ms=now_ms,
+                        updated_ms=now_ms,
+                    )
+                )
+                if changed.rowcount == 1:
+                    await conn.execute(
+                        update(items_table)
+                        .where(
+                            items_table.c.job_id == job_id,
+                            items_table.c.state == ItemState.PENDING.value,
+                        )
+                        .values(state=ItemState.CANCELLED.value, updated_ms=now_ms)
+                    )
+                else:  # a runner took it just now: ask it to stop
+                    state = JobState.RUNNING
+            if state is JobState.RUNNING:
+                await conn.execute(
+                    update(jobs_table)
+                    .where(j.id == job_id, j.state == JobState.RUNNING.value)
+                    .values(cancel_requested=True, updated_ms=now_ms)
+                )
+            row = (await conn.execute(select(jobs_table).where(j.id == job_id))).one()
+            return job_record(row)
+
+    # -- redrive jobs: the runner side --------------------------------------------------------
+
+    async def claim_job(
+        self, owner: str, token: str, now_ms: int, lease_ms: int
+    ) -> RedriveJobRecord | None:
+        """Take the oldest pending job, or a running one whose lease ran out (its runner died)."""
+        j = jobs_table.c
+        claimable = or_(
+            j.state == JobState.PENDING.value,
+            and_(j.state == JobState.RUNNING.value, j.lease_until_ms < now_ms),
+        )
+        async with self._transaction() as conn:
+            candidates = list(
+                await conn.execute(select(j.id).where(claimable).order_by(j.id).limit(5))
+            )
+            for (job_id,) in candidates:
+                changed = await conn.execute(
+                    update(jobs_table)
+                    .where(j.id == job_id, claimable)
+                    .values(
+                        state=JobState.RUNNING.value,
+                        owner=owner,
+                        lease_token=token,
+                        lease_until_ms=now_ms + lease_ms,
+                        started_ms=func.coalesce(j.started_ms, now_ms),
+                        updated_ms=now_ms,
+                    )
+                )
+                if changed.rowcount == 1:
+                    row = (await conn.execute(select(jobs_table).where(j.id == job_id))).one()
+                    return job_record(row)
+        return None
+
+    async def _fence(self, conn: AsyncConnection, job_id: int, token: str, now_ms: int) -> bool:
+        """Touch the job where our lease token still holds; returns cancel_requested."""
+        j = jobs_table.c
+        result = await conn.execute(
+            update(jobs_table)
+            .where(j.id == job_id, j.lease_token == token, j.state == JobState.RUNNING.value)
+            .values(updated_ms=now_ms)
+            .returning(j.cancel_requested)
+        )
+        row = result.first()
+        if row is None:
+            raise LeaseLost(f"lost the lease of redrive job {job_id}")
+        return bool(row[0])
+
+    async def renew_lease(self, job_id: int, token: str, now_ms: int, lease_ms: int) -> bool:
+        """Extend our lease; returns whether a cancel was requested. :class:`LeaseLost` if gone."""
+        async with self._transaction() as conn:
+            cancel = await self._fence(conn, job_id, token, now_ms)
+            await conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id)
+                .values(lease_until_ms=now_ms + lease_ms)
+            )
+            return cancel
+
+    async def release_lease(self, job_id: int, token: str, now_ms: int) -> None:
+        """Give a running job up (graceful stop): any replica may continue it right away."""
+        async with self._transaction() as conn:
+            await conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id, jobs_table.c.lease_token == token)
+                .values(lease_until_ms=now_ms - 1, updated_ms=now_ms)
+            )
+
+    async def job_targets(self, job: RedriveJobRecord) -> set[str]:
+        """The topics the job's unfinished items go to."""
+        if job.target_topic is not None:
+            return {job.target_topic}
+        i, d = items_table.c, dead_letters.c
+        query = (
+            select(d.origin_topic)
+            .distinct()
+            .select_from(items_table.join(dead_letters, d.id == i.dead_letter_id))
+            .where(
+                i.job_id == job.id,
+                i.state.in_([ItemState.PENDING.value, ItemState.SENDING.value]),
+            )
+        )
+        async with self._transaction() as conn:
+            return {row[0] for row in await conn.execute(query)}
+
+    async def sending_items(self, job_id: int) -> set[int]:
+        """Dead letter ids of the job's reserved items (produced or not: unknown)."""
+        async with self._transaction() as conn:
+            rows = await conn.execute(
+                select(items_table.c.dead_letter_id).where(
+                    items_table.c.job_id == job_id,
+                    items_table.c.state == ItemState.SENDING.value,
+                )
+            )
+            return {int(row[0]) for row in rows}
+
+    async def set_scan_offsets(
+        self, job_id: int, token: str, offsets: Mapping[str, Mapping[int, int]], now_ms: int
+    ) -> None:
+        raw = {t: {str(p): o for p, o in ps.items()} for t, ps in offsets.items()}
+        async with self._transaction() as conn:
+            await self._fence(conn, job_id, token, now_ms)
+            await conn.execute(
+                update(jobs_table)
+                .where(jobs_table.c.id == job_id)
+                .values(scan_offsets=json.dumps(raw, sort_keys=True))
+            )
+
+    async def next_work(self, job_id: int, limit: int) -> list[RedriveWork]:
+        """The next unfinished items in order (``sending`` ones first in id order too)."""
+        i, d = items_table.c, dead_letters.c
+        query = (
+            select(
+                i.dead_letter_id,
+                i.state,
+                d.origin_topic,
+                d.dlq_topic,
+                d.dlq_partition,
+                d.dlq_offset,
+            )
+            .select_from(items_table.outerjoin(dead_letters, d.id == i.dead_letter_id))
+            .where(
+                i.job_id == job_id,
+                i.state.in_([ItemState.PENDING.value, ItemState.SENDING.value]),
+            )
+            .order_by(i.dead_letter_id)
+            .limit(limit)
+        )
+        async with self._transaction() as conn:
+            rows = list(await conn.execute(query))
+        out: list[RedriveWork] = []
+        for row in rows:
+            m = row._mapping
+            out.append(
+                RedriveWork(
+                    dead_letter_id=int(m["dead_letter_id"]),
+                    state=ItemState(m["state"]),
+                    origin_topic=m["origin_topic"] or "",
+                    dlq_topic=m["dlq_topic"] or "",
+                    dlq_partition=int(m["dlq_partition"] if m["dlq_partition"] is not None else -1),
+                    dlq_offset=int(m["dlq_offset"] if m["dlq_offset"] is not None else -1),
+                )
+            )
+        return out
+
+    async def reserve(
+        self, job_id: int, token: str, dead_letter_ids: Sequence[int], now_ms: int
+    ) -> ReserveResult:
+        """Reserve pending items' dead letters for this job (``redriven_ms`` where NULL).
+
+        Items whose dead letter was redriven meanwhile (another job) or deleted are skipped.
+        """
+        result = ReserveResult()
+        if not dead_letter_ids:
+            return result
+        d, i = dead_letters.c, items_table.c
+        async with self._transaction() as conn:
+            await self._fence(conn, job_id, token, now_ms)
+            for start in range(0, len(dead_letter_ids), CHUNK):
+                chunk = list(dead_letter_ids[start : start + CHUNK])
+                # Lock in id order first: two jobs reserving overlapping sets then queue on
+                # PostgreSQL instead of deadlocking (SQLite has one writer anyway).
+                await conn.execute(
+                    select(d.id).where(d.id.in_(chunk)).order_by(d.id).with_for_update()
+                )
+                rows = await conn.execute(
+                    update(dead_letters)
+                    .where(d.id.in_(chunk), d.redriven_ms.is_(None))
+                    .values(redriven_ms=now_ms)
+                    .returning(d.id)
+                )
+                got = {int(r[0]) for r in rows}
+                result.reserved += [x for x in chunk if x in got]
+                result.skipped += [x for x in chunk if x not in got]
+            if result.reserved:
+                for start in range(0, len(result.reserved), CHUNK):
+                    chunk = result.reserved[start : start + CHUNK]
+                    await conn.execute(
+                        update(items_table)
+                        .where(i.job_id == job_id, i.dead_letter_id.in_(chunk))
+                        .values(state=ItemState.SENDING.value, updated_ms=now_ms)
+                    )
+            if result.skipped:
+                await self._skip(
+                    conn,
+                    job_id,
+                    [(x, "already redriven by another job, or deleted") for x in result.skipped],
+                    now_ms,
+                )
+        return result
+
+    async def _skip(
+        self, conn: AsyncConnection, job_id: int, items: Sequence[tuple[int, str]], now_ms: int
+    ) -> None:
+        i = items_table.c
+        for dead_letter_id, detail in items:
+            await conn.execute(
+                update(items_table)
+                .where(i.job_id == job_id, i.dead_letter_id == dead_letter_id)
+                .values(state=ItemState.SKIPPED.value, detail=detail, updated_ms=now_ms)
+            )
+        await conn.execute(
+            update(jobs_table)
+            .where(jobs_table.c.id == job_id)
+            .values(skipped_count=jobs_table.c.skipped_count + len(items))
+        )
+
+    async def skip_reserved(
+        self, job_id: int, token: str, items: Sequence[tuple[int, str]], now_ms: int
+    ) -> None:
+        """Give up reserved items that cannot be sent (their DLQ record is gone): unreserve."""
+        if not items:
+            return
+        async with self._transaction() as conn:
+            await self._fence(conn, job_id, token, now_ms)
+            ids = [x for x, _ in items]
+            await conn.execute(
+                update(dead_letters).where(dead_letters.c.id.in_(ids)).values(redriven_ms=None)
+            )
+            await self._skip(conn, job_id, items, now_ms)
+
+    async def mark_done(
+        self, job_id: int, token: str, produced: Sequence[Produced], now_ms: int
+    ) -> bool:
+        """Record produced items (fenced by the lease); returns whether a cancel was requested.
+
+        Two statements whatever the batch size (the runner's rate depends on this being
+        quick): the state change with an exact count, then the positions (executemany).
+        """
+        i = items_table.c
+        async with self._transaction() as conn:
+            cancel = await self._fence(conn, job_id, token, now_ms)
+            if not produced:
+                return cancel
+            count = 0
+            ids = [p.dead_letter_id for p in produced]
+            for start in range(0, len(ids), CHUNK):
+                changed = await conn.execute(
+                    update(items_table)
+                    .where(
+                        i.job_id == job_id,
+                        i.dead_letter_id.in_(ids[start : start + CHUNK]),
+                        i.state == ItemState.SENDING.value,
+                    )
+                    .values(state=ItemState.DONE.value, updated_ms=now_ms)
+                )
+                count += changed.rowcount
+            await conn.execute(
+                _SET_PRODUCED,
+                [
+                    {
+                        "b_job": job_id,
+                        "b_item": p.dead_letter_id,
+                        "b_topic": p.topic,
+                        "b_partition": p.partition,
+                        "b_offset": p.offset,
+                    }
+                    for p in produced
+                ],
+            )
+            if count:
+                await conn.execute(
+                    update(jobs_table)
+                    .where(jobs_table.c.id == job_id)
+                    .values(done_count=jobs_table.c.done_count + count)
+                )
+            return cancel
+
+    async def set_error(self, job_id: int, token: str, error: str, now_ms: int) -> None:
+        async with self._transaction() as conn:
+            await self._fence(conn, job_id, token, now_ms)
+            await conn.execute(
+                update(jobs_table).where(jobs_table.c.id == job_id).values(last_error=error)
+            )
+
+    async def finish_job(self, job_id: int, token: str, state: JobState, now_ms: int) -> None:
+        """End the job. Cancelled or failed: unfinished items are cancelled, reservations undone.
+
+        Only call with no produce in flight whose outcome is unknown (the runner resolves
+        ``sending`` items by scanning first), so an unreserved dead letter was never sent.
+        """
+        i, j = items_table.c, jobs_table.c
+        async with self._transaction() as conn:
+            await self._fence(conn, job_id, token, now_ms)
+            if state is not JobState.DONE:
+                sending = select(i.dead_letter_id).where(
+                    i.job_id == job_id, i.state == ItemState.SENDING.value
+                )
+                await conn.execute(
+                    update(dead_letters)
+                    .where(dead_letters.c.id.in_(sending))
+                    .values(redriven_ms=None)
+                )
+                await conn.execute(
+                    update(items_table)
+                    .where(
+                        i.job_id == job_id,
+                        i.state.in_([ItemState.PENDING.value, ItemState.SENDING.value]),
+                    )
+                    .values(state=ItemState.CANCELLED.value, updated_ms=now_ms)
+                )
+            await conn.execute(
+                update(jobs_table)
+                .where(j.id == job_id)
+                .values(
+                    state=state.value,
+                    finished_ms=now_ms,
+                    updated_ms=now_ms,
+                    lease_token=None,
+                    lease_until_ms=None,
+                )
+            )
