@@ -27,9 +27,9 @@ from tracker.client.markers import KafkaMarkerSink
 from tracker.clock import Clock, to_millis
 from tracker.errors import ClientClosed
 from tracker.ids import MessageId
+from tracker.kafka.client_security import kafka_client_options
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsReader, OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner
-from tracker.kafka.security import kafka_client_options
 from tracker.metrics import Metrics
 from tracker.ports import EngineHandle, OriginalsSource, RedriveService
 from tracker.settings import TrackerSettings

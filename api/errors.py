@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracker.errors import MarkerWriteFailed
-from tracker.kafka.admin import KafkaUnavailable
 from tracker.kafka.originals import OriginalsUnavailable
+from tracker.kafka.topic_admin import KafkaUnavailable
 from tracker.store import StoreUnavailable
 
 from .models import EXAMPLE_TIME, TEXT_PATTERN, ErrorResponse

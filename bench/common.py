@@ -24,7 +24,7 @@ from typing import Any, Literal
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tracker.kafka.admin import ensure_topic, topic_partitions
+from tracker.kafka.topic_admin import ensure_topic, topic_partitions
 
 ROOT = Path(__file__).resolve().parent.parent
 KAFKA_ENV = "KAFKA_BOOTSTRAP_SERVERS"

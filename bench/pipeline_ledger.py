@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--output", default="bench/results/pipeline_ledger.json")
     args = parser.parse_args()
 
-    from pipeline.session import build_session  # noqa: PLC0415
+    from pipeline.spark_session import build_session  # noqa: PLC0415
 
     spark = build_session(
         args.master,

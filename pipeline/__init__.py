@@ -11,7 +11,7 @@ history into something an operator can query and trust at a scale one process ca
   the final state, timings, reasons), stored as Parquet and extended incrementally;
 * :mod:`pipeline.audit` proves from the ledger that no started message was silently dropped;
 * :mod:`pipeline.report` renders throughput, latency, retries and dead letters (JSON + HTML);
-* :mod:`pipeline.redrive` republishes a SQL-selected set of dead letters exactly once.
+* :mod:`pipeline.bulk_redrive` republishes a SQL-selected set of dead letters exactly once.
 
 Run them with ``python -m pipeline {ledger,audit,report,redrive} ...`` (see ``docs/pipeline.md``).
 PySpark is an optional dependency (the ``spark`` extra); importing this package does not need it.

@@ -1,6 +1,6 @@
 """``python -m pipeline {ledger,audit,report,redrive}``: the pipeline's command line.
 
-Every command starts its own SparkSession (:func:`pipeline.session.build_session`):
+Every command starts its own SparkSession (:func:`pipeline.spark_session.build_session`):
 ``local[*]`` by default, ``--master URL`` for a cluster, or whatever ``spark-submit`` set up
 (``spark-submit pipeline/__main__.py ledger ...``). Results are printed as JSON on stdout;
 logs go to stderr. Exit codes: 0 done, 1 the audit found broken chains, 2 bad usage or a job
@@ -220,7 +220,7 @@ def _session(args: argparse.Namespace) -> Iterator[Any]:
     was called in-process, e.g. by ``kmq-tracker pipeline`` or a test)."""
     from pyspark.sql import SparkSession  # noqa: PLC0415
 
-    from pipeline.session import build_session  # noqa: PLC0415
+    from pipeline.spark_session import build_session  # noqa: PLC0415
 
     existing = SparkSession.getActiveSession()
     spark = existing or build_session(
@@ -324,9 +324,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_redrive(args: argparse.Namespace) -> int:
-    from pipeline.redrive import RedriveJob, run_redrive  # noqa: PLC0415
+    from pipeline.bulk_redrive import BulkRedriveJob, run_redrive  # noqa: PLC0415
 
-    job = RedriveJob(
+    job = BulkRedriveJob(
         bootstrap=args.bootstrap,
         dlq_topics=args.dlq_topic,
         manifest=args.manifest,
@@ -351,9 +351,9 @@ _SPARK_MODULES = {"pyspark", "pyarrow", "pandas", "py4j"}
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from pipeline.bulk_redrive import RedriveError  # noqa: PLC0415
         from pipeline.ledger import LedgerError  # noqa: PLC0415
         from pipeline.offsets import OffsetsError  # noqa: PLC0415
-        from pipeline.redrive import RedriveError  # noqa: PLC0415
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in _SPARK_MODULES:
             raise

@@ -143,7 +143,7 @@ async def work(narrator: Narrator, who: str, bootstrap: str, stopping: asyncio.E
 
 
 async def demo(bootstrap: str, workdir: Path, duration: float | None) -> Counter[str]:
-    from tracker.kafka.admin import ensure_topic  # noqa: PLC0415
+    from tracker.kafka.topic_admin import ensure_topic  # noqa: PLC0415
     from tracker.runtime import create_tracker  # noqa: PLC0415
     from tracker.settings import TrackerSettings  # noqa: PLC0415
 

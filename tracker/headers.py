@@ -27,6 +27,19 @@ DELIVER_AT = "kmq-deliver-at"
 
 RESERVED_PREFIX = "kmq-"
 
+# -- on records republished from a dead-letter topic (redrive)
+#: The redrive job (admin API) that produced it: the job's id (decimal).
+REDRIVE_JOB = "kmq-redrive-job"
+#: The dead letter it republishes, for a redrive job: its id (decimal), unique within the job.
+REDRIVE_ITEM = "kmq-redrive-item"
+#: The pipeline's bulk redrive run that produced it.
+REDRIVE_RUN = "kmq-redrive-run"
+#: ``topic/partition/offset`` of the dead letter a bulk redrive republished.
+REDRIVE_SOURCE = "kmq-redrive-source"
+#: Headers the tracker puts on dead letters (reason, attempts, origin, times).
+DLQ_HEADER_PREFIX = "kmq-dlq-"
+REDRIVE_HEADER_PREFIX = "kmq-redrive-"
+
 # -- on the copies of malformed markers parked in the invalid-markers topic
 #: Why the marker was refused, and its category (``kmq_invalid_markers_total``'s label).
 INVALID_REASON = "kmq-invalid-reason"
@@ -131,3 +144,30 @@ DLQ_FIRST_SEEN = "kmq-dlq-first-seen"  #: first START seen, ms since the epoch (
 DLQ_AT = "kmq-dlq-at"  #: when it was dead-lettered, ms since the epoch (decimal)
 DLQ_LAST_ERROR = "kmq-dlq-last-error"  #: the consumer's last retry reason (UTF-8), may be empty
 DLQ_SOURCE = "kmq-dlq-source"  #: topic/partition/offset of the copy that was dead-lettered
+
+
+def redrive_headers(headers: Headers, marks: Headers) -> list[tuple[str, bytes | None]]:
+    """The headers of a dead letter's republished copy: its own without ``kmq-dlq-*`` (what
+    the tracker said about the dead letter) and ``kmq-redrive-*`` (an earlier redrive's
+    marks), then ``marks``: the redrive job's or run's own (:data:`REDRIVE_JOB` and
+    :data:`REDRIVE_ITEM`, or :data:`REDRIVE_RUN` and :data:`REDRIVE_SOURCE`)."""
+    dropped = (DLQ_HEADER_PREFIX, REDRIVE_HEADER_PREFIX)
+    return [*((k, v) for k, v in headers if not k.startswith(dropped)), *marks]
+
+
+def job_marks(job_id: int, dead_letter_id: int) -> list[tuple[str, bytes | None]]:
+    """A redrive job's marks on the copy of one dead letter (:func:`redrive_marks` reads them)."""
+    return [(REDRIVE_JOB, str(job_id).encode()), (REDRIVE_ITEM, str(dead_letter_id).encode())]
+
+
+def redrive_marks(headers: Headers) -> tuple[int, int] | None:
+    """``(job id, dead letter id)`` of a record a redrive produced, else None."""
+    job = item = None
+    for key, value in headers:
+        if key == REDRIVE_JOB and value is not None and value.isdigit():
+            job = int(value)
+        elif key == REDRIVE_ITEM and value is not None and value.isdigit():
+            item = int(value)
+    if job is None or item is None:
+        return None
+    return job, item

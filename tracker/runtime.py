@@ -30,9 +30,9 @@ from tracker.client.markers import KafkaMarkerSink
 from tracker.clock import Clock, SystemClock
 from tracker.engine.process import EventHook, Tracker
 from tracker.engine.redrive_runner import RedriveRunner
+from tracker.kafka.client_security import kafka_client_options
 from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
-from tracker.kafka.security import kafka_client_options
 from tracker.metrics import Metrics
 from tracker.settings import TrackerSettings, load_settings
 from tracker.store import Store

@@ -243,7 +243,7 @@ class TrackerSettings(BaseSettings):
     )
     log_format: Literal["json", "text"] = Field("text", description="Log line format.")
 
-    # -- Kafka security (every Kafka client the tracker creates; see tracker/kafka/security.py)
+    # -- Kafka security (every Kafka client the tracker creates; tracker/kafka/client_security.py)
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         "PLAINTEXT",
         description=(
@@ -337,7 +337,7 @@ class TrackerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_kafka_security(self) -> TrackerSettings:
-        """Kafka security settings that only make sense together (see tracker/kafka/security)."""
+        """Kafka security settings that only make sense together (tracker/kafka/client_security)."""
         protocol = self.kafka_security_protocol
         sasl = protocol.startswith("SASL_")
         tls = protocol.endswith("SSL")

@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import ValidationError
 
-from tracker.kafka.security import (
+from tracker.kafka.client_security import (
     KafkaSecurityError,
     describe,
     kafka_client_options,

@@ -18,7 +18,8 @@ from api.app import create_app
 from api.context import ApiContext
 from tracker import headers as h
 from tracker.engine.process import Tracker
-from tracker.engine.redrive_runner import REDRIVE_JOB, RedriveRunner
+from tracker.engine.redrive_runner import RedriveRunner
+from tracker.headers import REDRIVE_JOB
 from tracker.runtime import create_tracker, engine_api_context
 
 from .api_support import bearer, client_for

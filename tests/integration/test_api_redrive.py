@@ -12,9 +12,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from support.broker import unique_topic
 
-from tracker.engine.redrive_runner import REDRIVE_ITEM, REDRIVE_JOB, RedriveRunner
+from tracker.engine.redrive_runner import RedriveRunner
+from tracker.headers import REDRIVE_ITEM, REDRIVE_JOB
 from tracker.store.manager import dead_letters
-from tracker.store.redrive_jobs import Produced
+from tracker.store.redrive_jobs import ProducedItem
 
 from .api_support import T0, ApiEnv, api_env, produce
 from .engine_support import eventually
@@ -213,10 +214,10 @@ async def test_a_redrive_resumes_after_a_crash_without_duplicates(
     ).json()
 
     batches = 0
-    crashed_batch: list[Produced] = []
+    crashed_batch: list[ProducedItem] = []
     crashing: asyncio.Task[None] | None = None
 
-    async def crash_after_third_batch(produced: Sequence[Produced]) -> None:
+    async def crash_after_third_batch(produced: Sequence[ProducedItem]) -> None:
         """The broker acknowledged the batch; the process dies before recording it."""
         nonlocal batches
         batches += 1

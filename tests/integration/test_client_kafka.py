@@ -20,7 +20,7 @@ from tracker.clock import ManualClock
 from tracker.errors import InvalidDelay, InvalidHeader, MarkerWriteFailed
 from tracker.headers import KmqHeaders
 from tracker.ids import MessageId
-from tracker.kafka.admin import topic_partitions
+from tracker.kafka.topic_admin import topic_partitions
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import MarkerKind
 from tracker.protocol_v2 import RangeKind, RangeMarker

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     """A local SparkSession (``local[2]``) shared by the pipeline tests."""
-    from pipeline.session import build_session  # noqa: PLC0415 - starts nothing on import
+    from pipeline.spark_session import build_session  # noqa: PLC0415 - starts nothing on import
 
     session = build_session(
         "local[2]",

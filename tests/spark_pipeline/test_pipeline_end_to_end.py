@@ -27,13 +27,14 @@ from support.broker import create_topics, run_sync, unique_topic
 from support.databases import sqlite_url
 
 from pipeline.audit import audit_ledger
+from pipeline.bulk_redrive import BulkRedriveJob, read_manifest, run_redrive
 from pipeline.cli import main
 from pipeline.ledger import LedgerJob, LedgerParams, load_ledger, run_ledger
-from pipeline.redrive import REDRIVE_RUN, REDRIVE_SOURCE, RedriveJob, read_manifest, run_redrive
 from pipeline.report import build_report, write_report
-from pipeline.session import CODE_DIR
+from pipeline.spark_session import CODE_DIR
 from tracker.client import KmqMessage, KmqProducer
 from tracker.client.markers import KafkaMarkerSink
+from tracker.headers import REDRIVE_RUN, REDRIVE_SOURCE
 from tracker.ids import MessageId
 from tracker.protocol import Marker
 from tracker.runtime import create_tracker
@@ -237,7 +238,7 @@ def test_bulk_redrive_republishes_the_selection_exactly_once(
     target = unique_topic("redriven")
     run_sync(lambda: create_topics(world.bootstrap, {target: 2}))
     manifest = str(world.tmp / "manifest")
-    job = RedriveJob(
+    job = BulkRedriveJob(
         bootstrap=world.bootstrap,
         dlq_topics=[dlq],
         manifest=manifest,
@@ -277,7 +278,7 @@ def test_bulk_redrive_republishes_the_selection_exactly_once(
     before = run_sync(lambda: high_watermarks(world.bootstrap, world.topic))
     home = run_redrive(
         spark,
-        RedriveJob(
+        BulkRedriveJob(
             bootstrap=world.bootstrap,
             dlq_topics=[dlq],
             manifest=manifest,
@@ -380,7 +381,7 @@ def test_a_first_run_prints_its_result_and_summary_and_no_java_stack_trace(world
 
 _PROBE = """
 import json, sys
-from pipeline.session import build_session
+from pipeline.spark_session import build_session
 spark = build_session(sys.argv[1], app_name="kmq-probe", log_level="ERROR")
 
 def where(_):

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.marker_strategies import markers, range_markers
 
+from pipeline.bulk_redrive import BURST_SECONDS
 from pipeline.charts import bar_chart, hbar_chart, line_chart, nice_max
 from pipeline.cli import build_parser, duration_ms, timestamp
 from pipeline.decode import (
@@ -24,8 +25,8 @@ from pipeline.decode import (
     spark_schema,
 )
 from pipeline.offsets import Bound, OffsetRange, OffsetsError, split_ranges
-from pipeline.redrive import REDRIVE_RUN, REDRIVE_SOURCE, _Bucket, redrive_headers
 from pipeline.report import choose_bucket
+from tracker.headers import REDRIVE_RUN, REDRIVE_SOURCE, redrive_headers
 from tracker.ids import MessageId
 from tracker.protocol import (
     SPEEDUPS,
@@ -36,6 +37,7 @@ from tracker.protocol import (
     encode_marker,
 )
 from tracker.protocol_v2 import RangeMarker
+from tracker.ratelimit import TokenBucket
 
 from .workload import dlq_headers
 
@@ -196,7 +198,8 @@ def test_dead_letter_headers_are_parsed_leniently() -> None:
 
 def test_redriven_records_lose_the_dead_letter_headers_and_say_where_they_came_from() -> None:
     headers = [("trace", b"1"), ("kmq-dlq-reason", b"x"), ("kmq-redrive-run", b"old")]
-    assert redrive_headers(headers, "r1", "orders.dlq/0/5") == [
+    marks = [(REDRIVE_RUN, b"r1"), (REDRIVE_SOURCE, b"orders.dlq/0/5")]
+    assert redrive_headers(headers, marks) == [
         ("trace", b"1"),
         (REDRIVE_RUN, b"r1"),
         (REDRIVE_SOURCE, b"orders.dlq/0/5"),
@@ -222,7 +225,7 @@ def test_charts_are_self_contained_svg() -> None:
     assert choose_bucket(10**9) == 7 * 86400
 
 
-def test_redrive_token_bucket_paces_each_task(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_redrive_token_bucket_paces_each_task() -> None:
     now = [0.0]
     slept: list[float] = []
 
@@ -230,11 +233,15 @@ def test_redrive_token_bucket_paces_each_task(monkeypatch: pytest.MonkeyPatch) -
         slept.append(seconds)
         now[0] += seconds
 
-    monkeypatch.setattr("pipeline.redrive.time.sleep", sleep)
-    bucket = _Bucket(10.0, clock=lambda: now[0])  # 10 records/s, bursts of at most 1
-    granted = [bucket.take(5) for _ in range(21)]
+    def task_bucket(rate: float) -> TokenBucket:  # as each redrive task builds its own
+        burst = max(1.0, rate * BURST_SECONDS)
+        return TokenBucket(rate, burst, clock=lambda: now[0], blocking_sleep=sleep)
+
+    bucket = task_bucket(10.0)  # 10 records/s, bursts of at most 1
+    granted = [bucket.take_blocking(5) for _ in range(21)]
     assert granted == [1] * 21
     assert now[0] == pytest.approx(2.0), "21 records at 10/s: the first at once, then 0.1 s each"
-    fast = _Bucket(1000.0, clock=lambda: now[0])
+    fast = task_bucket(1000.0)
+    assert fast.take_blocking(500) == 1, "a task starts with one token"
     now[0] += 1
-    assert fast.take(500) == 100, "bursts are capped at a tenth of a second of the rate"
+    assert fast.take_blocking(500) == 100, "bursts are capped at a tenth of a second of the rate"

@@ -30,7 +30,7 @@ from typing import Any, Protocol, Self, TypeVar
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
-from tracker.kafka.admin import topic_partitions
+from tracker.kafka.topic_admin import topic_partitions
 
 T = TypeVar("T")
 
@@ -276,7 +276,7 @@ async def topic_partition_ids(
 
     Never ask a consumer (``partitions_for_topic``): its metadata holds only what it subscribed
     to or was assigned on Apache Kafka (tansu happens to answer for every topic). This asks with
-    an all-topics metadata request (:func:`tracker.kafka.admin.topic_partitions`), which also
+    an all-topics metadata request (:func:`tracker.kafka.topic_admin.topic_partitions`), which also
     never auto-creates the topic.
     """
     loop = asyncio.get_running_loop()

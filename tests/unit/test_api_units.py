@@ -17,13 +17,8 @@ from api.previews import bytes_preview
 from api.rates import CounterRates
 from tracker.domain.actions import ActionKind, ActionOutcome, ActionRequest, decide_action
 from tracker.domain.entries import Entry, State
-from tracker.engine.redrive_runner import (
-    REDRIVE_ITEM,
-    REDRIVE_JOB,
-    TokenBucket,
-    redrive_headers,
-    redrive_marks,
-)
+from tracker.headers import REDRIVE_ITEM, REDRIVE_JOB, job_marks, redrive_headers, redrive_marks
+from tracker.ratelimit import TokenBucket
 
 pytestmark = [pytest.mark.unit]
 
@@ -93,7 +88,7 @@ def test_redrive_headers_drop_dlq_headers_and_mark_the_record() -> None:
         (REDRIVE_ITEM, b"9"),
         ("nullable", None),
     ]
-    out = redrive_headers(headers, 7, 42)
+    out = redrive_headers(headers, job_marks(7, 42))
     assert out == [
         ("app", b"1"),
         ("kmq-origin", b"orders/0/1"),

@@ -9,9 +9,9 @@ from support.records import RECORDS_AT, FakeRecord
 
 from tracker.client.markers import KafkaMarkerSink
 from tracker.client.message import KmqMessage, MessageContext
+from tracker.client.open_ranges import RangeBook
 from tracker.client.planning import Action, SeenCopies, plan_batch
 from tracker.client.producer import resolve_deliver_at
-from tracker.client.ranges import RangeBook
 from tracker.clock import ManualClock
 from tracker.errors import AlreadySettled, InvalidDelay, InvalidHeader, MarkerError
 from tracker.headers import KmqHeaders, format_deliver_at, without_kmq_headers

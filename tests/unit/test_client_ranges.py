@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from support.records import RECORDS_AT, FakeRecord
 
 from tracker.client.message import KmqMessage, MessageContext, messages_of
+from tracker.client.open_ranges import OPEN, RangeBook
 from tracker.client.planning import plan_ranges
-from tracker.client.ranges import OPEN, RangeBook
 from tracker.errors import AlreadySettled
 from tracker.headers import KmqHeaders
 from tracker.ids import MessageId

@@ -29,8 +29,8 @@ from support.records import FakeRecord
 from tracker.client import KmqConsumer, KmqMessage, RejectMessage, RetryMessage, workers
 from tracker.client.handlers import HandlerCaller, HandlerReturnedAwaitable, is_async_handler
 from tracker.client.message import MessageContext
+from tracker.client.open_ranges import ACKED, DIVERGED, SENT, OpenRange, RangeBook
 from tracker.client.ordering import Lanes, Ordering
-from tracker.client.ranges import ACKED, DIVERGED, SENT, OpenRange, RangeBook
 from tracker.client.workers import PoolSettings, TakenBatch, WorkerPool, WorkerStats
 from tracker.errors import ClientClosed, InvalidDelay
 from tracker.ids import MessageId

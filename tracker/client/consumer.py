@@ -11,7 +11,7 @@ That order is the KMQ invariant: after a crash at any point, every message is ei
 (its offset was not committed) or covered by a START the tracker will act on. Nothing is lost.
 
 With range markers (protocol v2, the default) step 1 is one RANGE_START per fetched partition
-batch, acks are bytes in the batch's :class:`~tracker.client.ranges.OpenRange` that go out as
+batch, acks are bytes in the batch's :class:`~tracker.client.open_ranges.OpenRange` that go out as
 RANGE_SETTLEs, and steps 1-2 for the next batches run in the background while the application
 works on the current one (*pipelining*, paced by how fast the application takes batches).
 Step 3 follows step 4 in the background, one OffsetCommit in flight: a START is still
@@ -48,10 +48,10 @@ from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker, Marker
 from .handlers import Handler, HandlerCaller
 from .markers import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage, MessageContext, messages_of
+from .open_ranges import OpenRange, RangeBook
 from .ordering import Ordering
 from .pipeline import StartPipeline
 from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
-from .ranges import OpenRange, RangeBook
 from .workers import PoolSettings, TakenBatch, WorkerPool, WorkerStats
 
 #: aiokafka's default ``fetch_max_bytes`` (50 MiB, as the Java consumer's ``fetch.max.bytes``).

@@ -23,8 +23,8 @@ from tracker.protocol import (
 )
 
 from .markers import MarkerSink
+from .open_ranges import ACKED, DIVERGED, OPEN, SENT, OpenRange, RangeBook
 from .planning import Run
-from .ranges import ACKED, DIVERGED, OPEN, SENT, OpenRange, RangeBook
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class KmqMessage:
     The settling verbs queue their marker in the client's batching producer and return without a
     network round trip; pass ``wait=True`` (or call the consumer's ``flush()``) to wait for the
     broker's acknowledgement. A message covered by a range marker (protocol v2) is acked by
-    setting one byte of its batch's :class:`~tracker.client.ranges.OpenRange`: the RANGE_SETTLE
+    setting one byte of its batch's :class:`~tracker.client.open_ranges.OpenRange`: the RANGE_SETTLE
     goes out with the batch's other acks.
 
     Cheap to make: it keeps the record and decodes identity, headers and timestamp only when

@@ -30,7 +30,7 @@ from tracker.ids import MessageId
 from tracker.protocol import Marker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
-from .ranges import OPEN, OpenRange
+from .open_ranges import OPEN, OpenRange
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,8 @@ from tracker.protocol import AnyMarker
 
 from .handlers import HandlerCaller, HandlerReturnedAwaitable, RejectMessage, RetryMessage
 from .message import KmqMessage, extensions, releases
+from .open_ranges import OpenRange
 from .ordering import Lanes, Ordering, lane_function
-from .ranges import OpenRange
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from tracker.engine.parking import InvalidMarkerParker
 from tracker.engine.payloads import PayloadKeeper
 from tracker.engine.redeliver import Redeliverer, TrackerEvent
 from tracker.engine.redrive_runner import RedriveRunner
-from tracker.engine.topics import TopicCatalog
+from tracker.engine.topic_catalog import TopicCatalog
 from tracker.errors import KmqError
-from tracker.kafka.admin import ensure_topic, topic_timestamp_type
+from tracker.kafka.client_security import kafka_client_options
 from tracker.kafka.clients import stop_consumer
 from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
-from tracker.kafka.security import kafka_client_options
+from tracker.kafka.topic_admin import ensure_topic, topic_timestamp_type
 from tracker.metrics import Metrics
 from tracker.ports import EngineHealth
 from tracker.settings import TrackerSettings

@@ -47,87 +47,27 @@ from tracker.clock import Clock, SystemClock, to_millis
 from tracker.domain.jobs import ItemState, JobState
 from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
+from tracker.headers import job_marks, redrive_headers, redrive_marks
 from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
+from tracker.ratelimit import TokenBucket
 from tracker.store import StoreUnavailable
 from tracker.store.errors import LeaseLost
-from tracker.store.redrive_jobs import Produced, RedriveJobRecord, RedriveJobStore, RedriveWork
+from tracker.store.redrive_jobs import ProducedItem, RedriveJobRecord, RedriveJobStore, RedriveWork
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Header on republished records: the redrive job's id (decimal).
-REDRIVE_JOB = "kmq-redrive-job"
-#: Header on republished records: the dead letter's id (decimal), unique within the job.
-REDRIVE_ITEM = "kmq-redrive-item"
-DLQ_HEADER_PREFIX = "kmq-dlq-"
-REDRIVE_HEADER_PREFIX = "kmq-redrive-"
 
 DEFAULT_CHUNK = 500  #: items loaded (and their DLQ records read) at a time
 DEFAULT_MAX_BATCH = 500  #: records produced per acknowledged batch (at most)
-BURST_SECONDS = 0.25  #: the token bucket holds at most this much of the rate (catch-up)
 
 Sleep = Callable[[float], Awaitable[None]]
-OnProduced = Callable[[Sequence[Produced]], Awaitable[None]]
-
-
-class TokenBucket:
-    """Rate limiting: ``rate`` tokens per second, holding at most ``burst``.
-
-    Starts with one token at its first :meth:`take` (time spent before, preparing the first
-    batch, does not add up to a burst). ``clock`` and ``sleep`` are injectable (seconds,
-    monotonic) for tests.
-    """
-
-    def __init__(
-        self,
-        rate: float,
-        burst: float | None = None,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Sleep = asyncio.sleep,
-    ) -> None:
-        if rate <= 0:
-            raise ValueError(f"rate must be positive, not {rate}")
-        self.rate = rate
-        self.burst = burst if burst is not None else max(1.0, rate * BURST_SECONDS)
-        self._clock = clock
-        self._sleep = sleep
-        self._tokens = min(1.0, self.burst)
-        self._at: float | None = None  #: the clock starts at the first take
-
-    def _refill(self) -> None:
-        now = self._clock()
-        if self._at is not None:
-            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-
-    async def take(self, wanted: int, *, max_wait: float | None = None) -> int:
-        """Wait for at least one token; take up to ``wanted`` of them and return how many.
-
-        With ``max_wait``, wait at most that long and return 0 if the next token is further
-        away (the redrive runner renews its lease in between at slow rates).
-        """
-        if wanted <= 0:
-            return 0
-        self._refill()
-        if self._tokens < 1:
-            wait = (1 - self._tokens) / self.rate
-            if max_wait is not None and wait > max_wait:
-                await self._sleep(max_wait)
-                self._refill()
-                return 0
-            await self._sleep(wait)
-            self._refill()
-            # The sleep was for exactly this token: rounding must not make us wait again.
-            self._tokens = max(self._tokens, 1.0)
-        granted = min(wanted, int(self._tokens))
-        self._tokens -= granted
-        return granted
+OnProduced = Callable[[Sequence[ProducedItem]], Awaitable[None]]
 
 
 class _ProduceFailed(KmqError):
@@ -141,35 +81,6 @@ class _Lease:
     #: Monotonic time from which the lease is renewed before the next batch is produced:
     #: a third of the lease, so a runner never produces on a lease that may have run out.
     renew_at: float
-
-
-def redrive_headers(
-    headers: Sequence[tuple[str, bytes | None]], job_id: int, dead_letter_id: int
-) -> list[tuple[str, bytes | None]]:
-    """The DLQ record's headers without ``kmq-dlq-*`` (and older redrive marks), plus ours."""
-    kept = [
-        (k, v)
-        for k, v in headers
-        if not k.startswith(DLQ_HEADER_PREFIX) and not k.startswith(REDRIVE_HEADER_PREFIX)
-    ]
-    return [
-        *kept,
-        (REDRIVE_JOB, str(job_id).encode()),
-        (REDRIVE_ITEM, str(dead_letter_id).encode()),
-    ]
-
-
-def redrive_marks(headers: Sequence[tuple[str, bytes | None]]) -> tuple[int, int] | None:
-    """``(job id, dead letter id)`` of a record a redrive produced, else None."""
-    job = item = None
-    for key, value in headers:
-        if key == REDRIVE_JOB and value is not None and value.isdigit():
-            job = int(value)
-        elif key == REDRIVE_ITEM and value is not None and value.isdigit():
-            item = int(value)
-    if job is None or item is None:
-        return None
-    return job, item
 
 
 class RedriveRunner:
@@ -356,12 +267,14 @@ class RedriveRunner:
         ranges = {
             tp: (starts.get(tp.topic, {}).get(tp.partition, 0), end) for tp, end in ends.items()
         }
-        found: dict[int, Produced] = {}
+        found: dict[int, ProducedItem] = {}
 
         def collect(record: Any) -> None:
             marks = redrive_marks(record.headers)
             if marks is not None and marks[0] == job.id and marks[1] in sending:
-                found[marks[1]] = Produced(marks[1], record.topic, record.partition, record.offset)
+                found[marks[1]] = ProducedItem(
+                    marks[1], record.topic, record.partition, record.offset
+                )
 
         await self._scanner.scan(ranges, collect)
         if found:
@@ -449,20 +362,22 @@ class RedriveRunner:
                         target,
                         value=record.value,
                         key=record.key,
-                        headers=redrive_headers(record.headers, job.id, item.dead_letter_id),
+                        headers=redrive_headers(
+                            record.headers, job_marks(job.id, item.dead_letter_id)
+                        ),
                     )
                 except (KafkaError, KmqError) as exc:
                     failure = exc
                     break
                 sent.append((item, target, future))
             results = await asyncio.gather(*(f for _, _, f in sent), return_exceptions=True)
-            produced: list[Produced] = []
+            produced: list[ProducedItem] = []
             for (item, target, _), result in zip(sent, results, strict=True):
                 if isinstance(result, BaseException):
                     failure = failure or result
                     continue
                 produced.append(
-                    Produced(item.dead_letter_id, target, result.partition, result.offset)
+                    ProducedItem(item.dead_letter_id, target, result.partition, result.offset)
                 )
             if self._on_produced is not None:
                 await self._on_produced(produced)

@@ -4,7 +4,8 @@ Kept apart from the engine so that everything that talks to a broker (and every 
 it has to cope with) sits in one place, tested against a real broker.
 """
 
-from tracker.kafka.admin import (
+from tracker.kafka.originals import Missing, OriginalRecord, OriginalsReader, OriginalsUnavailable
+from tracker.kafka.topic_admin import (
     KafkaUnavailable,
     TopicMismatch,
     TopicRejected,
@@ -13,7 +14,6 @@ from tracker.kafka.admin import (
     topic_retention_ms,
     topic_timestamp_type,
 )
-from tracker.kafka.originals import Missing, OriginalRecord, OriginalsReader, OriginalsUnavailable
 
 __all__ = [
     "KafkaUnavailable",

@@ -162,7 +162,7 @@ class RedriveWork:
 
 
 @dataclass(frozen=True, slots=True)
-class Produced:
+class ProducedItem:
     dead_letter_id: int
     topic: str
     partition: int
@@ -608,7 +608,7 @@ class RedriveJobStore(AdminQueries):
             await self._skip(conn, job_id, items, now_ms)
 
     async def mark_done(
-        self, job_id: int, token: str, produced: Sequence[Produced], now_ms: int
+        self, job_id: int, token: str, produced: Sequence[ProducedItem], now_ms: int
     ) -> bool:
         """Record produced items (fenced by the lease); returns whether a cancel was requested.
 

@@ -50,17 +50,17 @@ from pyspark.sql.types import (
 from pipeline.decode import arrow_schema
 from pipeline.offsets import existing_topics, resolve_ranges
 from pipeline.source import DEFAULT_CHUNK, read_kafka
+from tracker.headers import REDRIVE_RUN, REDRIVE_SOURCE, redrive_headers
+from tracker.ratelimit import TokenBucket
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]
     from pyarrow import fs as pafs
 
-#: Header on republished records: the pipeline redrive run that produced it.
-REDRIVE_RUN = "kmq-redrive-run"
-#: Header on republished records: ``topic/partition/offset`` of the dead letter it republishes.
-REDRIVE_SOURCE = "kmq-redrive-source"
-_DROPPED_PREFIXES = ("kmq-dlq-", "kmq-redrive-")
 MAX_BATCH = 500  #: records produced per acknowledged batch (and per manifest file), at most
+#: A task's token bucket holds at most this much of its rate: many tasks catching up at once
+#: must not add up to a burst the target cluster notices.
+BURST_SECONDS = 0.1
 
 MANIFEST_SCHEMA = StructType(
     [
@@ -82,7 +82,7 @@ class RedriveError(Exception):
 
 
 @dataclass(slots=True)
-class RedriveJob:
+class BulkRedriveJob:
     bootstrap: str
     dlq_topics: Sequence[str]
     manifest: str
@@ -170,40 +170,6 @@ def _write_manifest(filesystem: pafs.FileSystem, base: str, name: str, batch: An
 # Producing (executors)
 
 
-def redrive_headers(
-    headers: Sequence[tuple[str, bytes | None]], run_id: str, source: str
-) -> list[tuple[str, bytes | None]]:
-    """The DLQ record's headers without ``kmq-dlq-*`` / ``kmq-redrive-*``, plus ours."""
-    kept = [(k, v) for k, v in headers if not k.startswith(_DROPPED_PREFIXES)]
-    return [*kept, (REDRIVE_RUN, run_id.encode()), (REDRIVE_SOURCE, source.encode())]
-
-
-_EPSILON = 1e-9
-
-
-class _Bucket:
-    """A token bucket: ``rate`` records per second, at most ``burst`` at once."""
-
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate = rate
-        self.burst = max(1.0, rate * 0.1)
-        self._clock = clock
-        self._tokens = 1.0
-        self._at = clock()
-
-    def take(self, wanted: int) -> int:
-        """Block until at least one token is there; take up to ``wanted``."""
-        while True:
-            now = self._clock()
-            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-            self._at = now
-            if self._tokens >= 1 - _EPSILON:  # float sums may land a hair below a token
-                granted = max(1, min(wanted, int(self._tokens + _EPSILON)))
-                self._tokens -= granted
-                return granted
-            time.sleep((1 - self._tokens) / self.rate)
-
-
 async def _produce(producer: Any, rows: list[dict[str, Any]], run_id: str) -> list[Any]:
     futures = []
     for row in rows:
@@ -214,7 +180,9 @@ async def _produce(producer: Any, rows: list[dict[str, Any]], run_id: str) -> li
                 row["target_topic"],
                 value=row["value"],
                 key=row["key"],
-                headers=redrive_headers(headers, run_id, source),
+                headers=redrive_headers(
+                    headers, [(REDRIVE_RUN, run_id.encode()), (REDRIVE_SOURCE, source.encode())]
+                ),
             )
         )
     return list(await asyncio.gather(*futures))
@@ -254,7 +222,11 @@ def producer_task(
         filesystem, base = manifest_fs(manifest)
         earlier = read_manifest(manifest, prefix=f"part-{run_id}-{part:05d}-")
         done = set(zip(*(earlier.column(c).to_pylist() for c in POSITION), strict=True))
-        bucket = _Bucket(rate_per_task) if rate_per_task else None
+        bucket = (
+            TokenBucket(rate_per_task, max(1.0, rate_per_task * BURST_SECONDS))
+            if rate_per_task
+            else None
+        )
         loop = asyncio.new_event_loop()
         producer = loop.run_until_complete(_start_producer(bootstrap, config))
         seq = 0
@@ -268,7 +240,7 @@ def producer_task(
                 i = 0
                 while i < len(rows):
                     wanted = min(MAX_BATCH, len(rows) - i)
-                    n = bucket.take(wanted) if bucket is not None else wanted
+                    n = bucket.take_blocking(wanted) if bucket is not None else wanted
                     chunk, i = rows[i : i + n], i + n
                     results = loop.run_until_complete(_produce(producer, chunk, run_id))
                     now = datetime.now(UTC)
@@ -300,7 +272,7 @@ def producer_task(
 # The job (driver)
 
 
-def dlq_view(spark: SparkSession, job: RedriveJob) -> DataFrame:
+def dlq_view(spark: SparkSession, job: BulkRedriveJob) -> DataFrame:
     """The DLQ records of ``job.dlq_topics`` with the helper columns ``--where`` can use."""
     topics = existing_topics(job.bootstrap, list(job.dlq_topics), job.client_config)
     missing = sorted(set(job.dlq_topics) - set(topics))
@@ -326,7 +298,7 @@ def dlq_view(spark: SparkSession, job: RedriveJob) -> DataFrame:
     )
 
 
-def run_redrive(spark: SparkSession, job: RedriveJob) -> RedriveResult:
+def run_redrive(spark: SparkSession, job: BulkRedriveJob) -> RedriveResult:
     """Select, skip what the manifest has, then count (dry run) or republish."""
     started = time.monotonic()
     run_id = job.run_id or f"{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"

@@ -18,7 +18,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from tracker.domain.policy import ResolvedPolicy, TopicPolicy
-from tracker.kafka.admin import topic_retention_ms
+from tracker.kafka.topic_admin import topic_retention_ms
 from tracker.protocol import AnyMarker
 from tracker.settings import TrackerSettings
 
