@@ -38,8 +38,8 @@ from tracker.clock import SystemClock, to_millis
 from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.partitioning import markers_partition
 from tracker.store import Store
-from tracker.store.manager import PendingMarker
 from tracker.store.migrate import upgrade
+from tracker.store.port import PendingMarker
 
 from . import markers as mk
 from .common import (

@@ -22,7 +22,7 @@ from typing import Any
 from tracker.clock import SystemClock, to_millis
 from tracker.partitioning import markers_partition
 from tracker.store import Store
-from tracker.store.manager import PendingMarker
+from tracker.store.port import PendingMarker
 
 from . import markers as mk
 from .common import (

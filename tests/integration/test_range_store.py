@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,37 +20,29 @@ from support.counts import assert_counters_match
 from support.databases import PostgresTestDatabase
 from support.range_model import (
     GROUP,
-    MARKERS_PARTITION,
     PARTITION,
+    TOKEN,
     TOPIC,
+    check_store_against_model,
     markers_strategy,
     policy,
-    reference,
     steps_with_times,
 )
 
 from tracker.domain.actions import ActionKind, ActionOutcome, ActionRequest
-from tracker.domain.entries import Entry, State, plan_due
+from tracker.domain.entries import Entry, State
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeMarker
 from tracker.store.inspection import EntryFilter, EntryOrder, InspectionQueries
-from tracker.store.manager import (
-    PartitionProgress,
-    PendingMarker,
-    Store,
-    partitions_table,
-    ranges_table,
-    tracked,
-    tracked_counts,
-)
+from tracker.store.manager import Store, partitions_table, ranges_table, tracked, tracked_counts
 from tracker.store.migrate import upgrade
 from tracker.store.operator_actions import OperatorActions
+from tracker.store.port import PartitionProgress, PendingMarker
 
 pytestmark = [pytest.mark.integration]
 
 MARKERS = "kmq-markers"
-TOKEN = "round-1"  # noqa: S105 - the claim token of the redelivery round
 
 
 async def _fresh(url: str) -> Store:
@@ -68,55 +59,11 @@ async def _scenario(
 ) -> None:
     store = await _fresh(url)
     try:
-        epoch = (await store.claim_partitions(MARKERS, [MARKERS_PARTITION], "a", 0))[
-            MARKERS_PARTITION
-        ].epoch
-        batch: list[PendingMarker] = []
-        for i, (marker, ref) in enumerate(steps):
-            batch.append(PendingMarker(marker, ref, MARKERS_PARTITION, i))
-            if cuts[i % len(cuts)] or i == len(steps) - 1:
-                progress = {MARKERS_PARTITION: PartitionProgress(epoch, i + 1)}
-                await store.apply(MARKERS, progress, batch, policy, ref)
-                batch = []
-                expected = reference(steps[: i + 1])
-                stored = {e.origin_offset: e for e in await store.list_entries(10_000)}
-                assert stored == expected, f"after marker {i}: {marker}"
-        await assert_counters_match(store.engine)
-
-        # Redelivery: what is due by ``due_at`` is claimed, exactly as v1 entries would be.
-        expected = reference(steps)
-        due = {
-            o: e for o, e in expected.items() if e.due_at_ms is not None and e.due_at_ms <= due_at
-        }
-        claimed, fenced = await store.claim_due(
-            MARKERS,
-            epochs={MARKERS_PARTITION: epoch},
-            due_by={MARKERS_PARTITION: due_at},
-            now_ms=due_at,
-            limit=10_000,
-            lease_ms=60_000,
-            token=TOKEN,
+        await check_store_against_model(
+            store, steps, cuts, due_at, check=lambda: assert_counters_match(store.engine)
         )
-        assert fenced == set()
-        got: dict[int, Entry] = {e.origin_offset: e for e in claimed}
-        assert got == {o: _claimed(e) for o, e in due.items()}, (
-            "claimed entries differ from the per-message model"
-        )
-        assert {o: plan_due(e, 3) for o, e in got.items()} == {
-            o: plan_due(e, 3) for o, e in due.items()
-        }
-        next_due = await store.next_due_ms([MARKERS_PARTITION])
-        later = [e.due_at_ms for o, e in expected.items() if o not in due and e.due_at_ms]
-        claimed_until = [due_at + 60_000] if due else []
-        assert next_due == (min(later + claimed_until) if later or claimed_until else None)
-        await assert_counters_match(store.engine)
     finally:
         await store.close()
-
-
-def _claimed(entry: Entry) -> Entry:
-    """How a claim returns an entry: as it was, with the claim token."""
-    return replace(entry, claim_token=TOKEN)
 
 
 @settings(

@@ -41,8 +41,8 @@ from tracker.kafka.originals import OriginalsReader
 from tracker.metrics import Metrics
 from tracker.protocol import Marker
 from tracker.store import Store, StoreUnavailable
-from tracker.store.manager import PartitionProgress, PendingMarker
 from tracker.store.migrate import upgrade
+from tracker.store.port import PartitionProgress, PendingMarker
 
 from .engine_support import TopicWatcher, eventually
 from .workload import copy_identity, high_watermarks

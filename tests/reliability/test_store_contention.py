@@ -34,8 +34,8 @@ from tracker.kafka.originals import Missing, OriginalRecord
 from tracker.metrics import Metrics
 from tracker.protocol import Marker
 from tracker.store import Store, StoreUnavailable
-from tracker.store.manager import PartitionProgress, PendingMarker
 from tracker.store.migrate import upgrade
+from tracker.store.port import PartitionProgress, PendingMarker
 
 from .harness import Figures, report
 

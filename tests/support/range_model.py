@@ -1,4 +1,5 @@
-"""The per-message reference model of range markers, shared by the pure and the store tests.
+"""The per-message reference model of range markers, shared by the pure and the store tests
+(every store, through :func:`check_store_against_model`).
 
 The reference is v1 itself: every range marker is, by definition (docs/protocol.md), one v1
 marker per covered offset, and :func:`apply_marker` folds those message by message.
@@ -6,17 +7,20 @@ marker per covered offset, and :func:`apply_marker` folds those message by messa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from tracker.domain.entries import Entry, apply_marker
+from tracker.domain.entries import Entry, apply_marker, plan_due
 from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeKind, RangeMarker
+from tracker.store.port import PartitionProgress, PendingMarker, TrackerStore
 
 GROUP, TOPIC, PARTITION, MARKERS_PARTITION = "g", "orders", 2, 5
+MARKERS = "kmq-markers"
 WINDOW = 24  #: offsets 0..WINDOW-1: small, so markers collide often
 POLICY = ResolvedPolicy(
     processing_timeout_ms=30_000,
@@ -121,3 +125,70 @@ def steps_with_times(drawn: list[tuple[AnyMarker, int]]) -> list[tuple[AnyMarker
         now += gap
         out.append((marker, now))
     return out
+
+
+#: The claim token of the redelivery round in :func:`check_store_against_model`.
+TOKEN = "round-1"  # noqa: S105 - not a secret
+
+
+async def _nothing() -> None:
+    pass
+
+
+async def check_store_against_model(
+    store: TrackerStore,
+    steps: Sequence[tuple[AnyMarker, int]],
+    cuts: list[bool],
+    due_at: int,
+    *,
+    check: Callable[[], Awaitable[None]] = _nothing,
+) -> None:
+    """Apply ``steps`` to ``store`` in flushes cut where ``cuts`` says, comparing its entries
+    with the per-message :func:`reference` after each flush; then claim what is due by
+    ``due_at`` and compare it with what v1 entries would give. ``check`` runs after the
+    flushes and after the claim (the SQL store's counters)."""
+    epoch = (await store.claim_partitions(MARKERS, [MARKERS_PARTITION], "a", 0))[
+        MARKERS_PARTITION
+    ].epoch
+    batch: list[PendingMarker] = []
+    for i, (marker, ref) in enumerate(steps):
+        batch.append(PendingMarker(marker, ref, MARKERS_PARTITION, i))
+        if cuts[i % len(cuts)] or i == len(steps) - 1:
+            progress = {MARKERS_PARTITION: PartitionProgress(epoch, i + 1)}
+            await store.apply(MARKERS, progress, batch, policy, ref)
+            batch = []
+            expected = reference(steps[: i + 1])
+            stored = {e.origin_offset: e for e in await store.list_entries(10_000)}
+            assert stored == expected, f"after marker {i}: {marker}"
+    await check()
+
+    # Redelivery: what is due by ``due_at`` is claimed, exactly as v1 entries would be.
+    expected = reference(steps)
+    due = {o: e for o, e in expected.items() if e.due_at_ms is not None and e.due_at_ms <= due_at}
+    claimed, fenced = await store.claim_due(
+        MARKERS,
+        epochs={MARKERS_PARTITION: epoch},
+        due_by={MARKERS_PARTITION: due_at},
+        now_ms=due_at,
+        limit=10_000,
+        lease_ms=60_000,
+        token=TOKEN,
+    )
+    assert fenced == set()
+    got: dict[int, Entry] = {e.origin_offset: e for e in claimed}
+    assert got == {o: _claimed(e) for o, e in due.items()}, (
+        "claimed entries differ from the per-message model"
+    )
+    assert {o: plan_due(e, 3) for o, e in got.items()} == {
+        o: plan_due(e, 3) for o, e in due.items()
+    }
+    next_due = await store.next_due_ms([MARKERS_PARTITION])
+    later = [e.due_at_ms for o, e in expected.items() if o not in due and e.due_at_ms]
+    claimed_until = [due_at + 60_000] if due else []
+    assert next_due == (min(later + claimed_until) if later or claimed_until else None)
+    await check()
+
+
+def _claimed(entry: Entry) -> Entry:
+    """How a claim returns an entry: as it was, with the claim token."""
+    return replace(entry, claim_token=TOKEN)

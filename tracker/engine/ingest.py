@@ -36,8 +36,8 @@ from tracker.engine.signals import IngestListener, NoListener
 from tracker.metrics import Metrics
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import AnyMarker, RangeMarker, decode_batch
-from tracker.store import Fenced, Store, StoreUnavailable
-from tracker.store.manager import PartitionProgress, PendingMarker
+from tracker.store import Fenced, StoreUnavailable
+from tracker.store.port import PartitionProgress, PendingMarker, TrackerStore
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class MarkerIngest:
         self,
         *,
         consumer: Any,
-        store: Store,
+        store: TrackerStore,
         parker: InvalidMarkerParker,
         markers_topic: str,
         replica_id: str,

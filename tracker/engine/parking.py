@@ -45,7 +45,7 @@ from tracker.headers import (
     INVALID_TIMESTAMP,
 )
 from tracker.protocol import encode_any
-from tracker.store.manager import PendingMarker
+from tracker.store.port import PendingMarker
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalsUnavailable
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
-from tracker.store import Store, StoreUnavailable
-from tracker.store.manager import StoredPayload
+from tracker.store import StoreUnavailable
+from tracker.store.port import StoredPayload, TrackerStore
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class PayloadKeeper:
     def __init__(
         self,
         *,
-        store: Store,
+        store: TrackerStore,
         originals: OriginalsSource,
         owned_partitions: Callable[[], list[int]],
         clock: Clock,

@@ -41,8 +41,8 @@ from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
-from tracker.store import Store, StoreUnavailable
-from tracker.store.manager import DeadLetterRecord, StoredPayload
+from tracker.store import StoreUnavailable
+from tracker.store.port import DeadLetterRecord, StoredPayload, TrackerStore
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Redeliverer:
     def __init__(
         self,
         *,
-        store: Store,
+        store: TrackerStore,
         producer: Any,
         originals: OriginalsSource,
         markers_topic: str,

@@ -33,7 +33,6 @@ from .admin_reads import (
 )
 from .manager import (
     KEY_COLUMNS,
-    StoredPayload,
     chunks,
     dead_letter_counts,
     dead_letters,
@@ -43,6 +42,7 @@ from .manager import (
     tracked_counts,
 )
 from .operator_actions import ActionRecord, action_record
+from .port import StoredPayload
 
 
 class EntryOrder(enum.StrEnum):

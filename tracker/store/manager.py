@@ -19,7 +19,7 @@ import operator
 import struct
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from sqlalchemy import (
@@ -57,7 +57,7 @@ from tracker.domain.ranges import (
     touched,
 )
 from tracker.errors import KmqError
-from tracker.protocol import AnyMarker, RangeMarker
+from tracker.protocol import RangeMarker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .counts import CountChanges, recount
@@ -82,6 +82,14 @@ from .models import (
     TrackedCount,
     TrackedMessage,
     TrackedRangeRow,
+)
+from .port import (
+    ApplyResult,
+    Claim,
+    DeadLetterRecord,
+    PartitionProgress,
+    PendingMarker,
+    StoredPayload,
 )
 
 tracked: Table = TrackedMessage.__table__  # type: ignore[assignment]
@@ -139,55 +147,6 @@ _RANGE_LANE = (
 _COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
 _ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of ENTRY_COLUMN_NAMES
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True, slots=True)
-class PendingMarker:
-    """A decoded marker waiting to be applied, with where it came from."""
-
-    marker: AnyMarker  #: a v1 marker or a v2 range marker
-    ref_ms: int  #: the reference time of its durations (record timestamp, clamped)
-    markers_partition: int
-    markers_offset: int
-
-
-@dataclass(frozen=True, slots=True)
-class PartitionProgress:
-    epoch: int
-    next_offset: int  #: the first markers offset not applied after this flush
-
-
-@dataclass(slots=True)
-class ApplyResult:
-    anomalies: list[tuple[PendingMarker, str]] = field(default_factory=list)
-    upserted: int = 0
-    deleted: int = 0
-    earliest_due_ms: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    epoch: int
-    next_offset: int | None  #: None: nothing applied yet, start from the committed offset
-
-
-@dataclass(frozen=True, slots=True)
-class StoredPayload:
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
-    timestamp_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class DeadLetterRecord:
-    entry: Entry
-    dlq_topic: str
-    dlq_partition: int
-    dlq_offset: int
-    reason: str
-    dead_lettered_ms: int
-    message_key: bytes | None
 
 
 def encode_headers(headers: Iterable[tuple[str, bytes | None]]) -> bytes:

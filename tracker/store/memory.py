@@ -1,0 +1,455 @@
+"""The store in memory: the :class:`~tracker.store.port.TrackerStore` port over dictionaries.
+
+For tests of engine logic that should run in milliseconds, ours and users' (a consumer team
+can run ingest and redelivery against it without a database). It keeps the same rules as the
+SQL store, and the contract suite (``tests/contract/test_store_contract.py``) holds both to
+them: each call is atomic, epochs fence replicas, markers fold with the same domain functions
+(:func:`tracker.domain.ranges.fold_lane`), claims push entries to the lease and hand back what
+they were, a round's record only touches what its token still holds.
+
+Several :class:`InMemoryStore` objects on one :class:`MemoryDatabase` are several replicas on
+one database. Nothing is persisted; there is no counter table and no admin side (the admin
+API and the console need SQL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tracker.domain.entries import Entry, EntryKey, State
+from tracker.domain.policy import PolicyLookup
+from tracker.domain.ranges import (
+    LaneKey,
+    LaneMarker,
+    LaneState,
+    RangeKey,
+    TrackedRange,
+    fold_lane,
+    lane_of,
+    touched,
+)
+from tracker.protocol import RangeMarker
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
+
+from .errors import Fenced, StoreUnavailable
+from .port import (
+    ApplyResult,
+    Claim,
+    DeadLetterRecord,
+    PartitionProgress,
+    PendingMarker,
+    StoredPayload,
+)
+
+
+@dataclass(slots=True)
+class _PartitionRow:
+    epoch: int
+    owner: str | None
+    next_offset: int  #: -1: nothing applied yet
+    updated_ms: int
+
+
+@dataclass
+class MemoryDatabase:
+    """What a database would hold: shared by the stores (replicas) built on it."""
+
+    entries: dict[EntryKey, Entry] = field(default_factory=dict)
+    #: tracked ranges per lane, by range key (kept as copies: ranges are mutable)
+    ranges: dict[LaneKey, dict[RangeKey, TrackedRange]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+    partitions: dict[tuple[str, int], _PartitionRow] = field(default_factory=dict)
+    payloads: dict[EntryKey, StoredPayload] = field(default_factory=dict)
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    #: one writer at a time, as a transaction would have it (calls never interleave)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: set to make every call fail as a database that went away would
+    unavailable: bool = False
+
+
+class InMemoryStore:
+    """A :class:`~tracker.store.port.TrackerStore` over a :class:`MemoryDatabase`."""
+
+    def __init__(self, database: MemoryDatabase | None = None) -> None:
+        self.database = database if database is not None else MemoryDatabase()
+
+    @property
+    def _db(self) -> MemoryDatabase:
+        if self.database.unavailable:
+            raise StoreUnavailable("the in-memory database is marked unavailable")
+        return self.database
+
+    async def ping(self) -> None:
+        self._db  # noqa: B018 - raises when unavailable
+
+    async def close(self) -> None:
+        pass
+
+    # -- ownership ----------------------------------------------------------------------
+
+    async def claim_partitions(
+        self, markers_topic: str, partitions: Iterable[int], owner: str, now_ms: int
+    ) -> dict[int, Claim]:
+        db = self._db
+        claims: dict[int, Claim] = {}
+        async with db.lock:
+            for partition in sorted(set(partitions)):
+                row = db.partitions.setdefault(
+                    (markers_topic, partition), _PartitionRow(0, None, -1, now_ms)
+                )
+                row.epoch += 1
+                row.owner = owner
+                row.updated_ms = now_ms
+                claims[partition] = Claim(
+                    row.epoch, None if row.next_offset < 0 else row.next_offset
+                )
+        return claims
+
+    async def release_partitions(self, markers_topic: str, epochs: dict[int, int]) -> None:
+        db = self._db
+        async with db.lock:
+            for partition, epoch in epochs.items():
+                row = db.partitions.get((markers_topic, partition))
+                if row is not None and row.epoch == epoch:
+                    row.owner = None
+
+    def _fenced(self, markers_topic: str, epochs: dict[int, int]) -> set[int]:
+        fenced = set()
+        for partition, epoch in epochs.items():
+            row = self.database.partitions.get((markers_topic, partition))
+            if row is None or row.epoch != epoch:
+                fenced.add(partition)
+        return fenced
+
+    def _touch(self, markers_topic: str, partitions: Iterable[int], now_ms: int) -> None:
+        for partition in partitions:
+            self.database.partitions[(markers_topic, partition)].updated_ms = now_ms
+
+    # -- ingest -------------------------------------------------------------------------
+
+    async def apply(
+        self,
+        markers_topic: str,
+        progress: dict[int, PartitionProgress],
+        markers: Sequence[PendingMarker],
+        policy_for: PolicyLookup,
+        now_ms: int,
+    ) -> ApplyResult:
+        db = self._db
+        lanes: dict[LaneKey, list[PendingMarker]] = defaultdict(list)
+        for pending in markers:
+            lanes[lane_of(pending.marker)].append(pending)
+        result = ApplyResult()
+        async with db.lock:
+            fenced = self._fenced(markers_topic, {p: pr.epoch for p, pr in progress.items()})
+            if fenced:
+                raise Fenced(fenced)
+            for partition, pr in progress.items():
+                row = db.partitions[(markers_topic, partition)]
+                row.next_offset, row.updated_ms = pr.next_offset, now_ms
+            earliest: int | None = None
+            for lane, pendings in lanes.items():
+                reached = self._ranges_reached(lane, pendings)
+                state, loaded = self._load_lane(lane, pendings, reached)
+                before_ranges = {r.key: r for r in reached}
+                for index, why in fold_lane(
+                    state,
+                    [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
+                    policy_for,
+                ):
+                    result.anomalies.append((pendings[index], why))
+                group, topic, partition = lane
+                for offset, entry in state.entries.items():
+                    key = (group, topic, partition, offset)
+                    before = loaded.get(offset)
+                    if entry is None:
+                        if before is not None:
+                            self._delete_entry(key)
+                            result.deleted += 1
+                    elif entry != before:
+                        db.entries[key] = entry  # the token too, as the SQL upsert writes it
+                        result.upserted += 1
+                        earliest = _earlier(earliest, entry.due_at_ms)
+                after = {r.key: r for r in state.ranges}
+                for key in set(before_ranges) - set(after):
+                    del db.ranges[lane][key]
+                    result.deleted += 1
+                for key, new in after.items():
+                    if before_ranges.get(key) != new:
+                        db.ranges[lane][key] = replace(new)
+                        result.upserted += 1
+                        earliest = _earlier(earliest, new.due_at_ms)
+            result.earliest_due_ms = earliest
+        return result
+
+    def _ranges_reached(
+        self, lane: LaneKey, pendings: Sequence[PendingMarker]
+    ) -> list[TrackedRange]:
+        """The lane's ranges holding any offset the markers touch (as the SQL store loads)."""
+        spans = [touched(p.marker) for p in pendings]
+        found = []
+        for tracked_range in self.database.ranges.get(lane, {}).values():
+            first, last = tracked_range.key[3], tracked_range.last_offset
+            if any(a - MAX_RANGE_WIDTH + 1 <= first <= b and last >= a for a, b in spans):
+                found.append(tracked_range)
+        return found
+
+    def _load_lane(
+        self, lane: LaneKey, pendings: Sequence[PendingMarker], reached: list[TrackedRange]
+    ) -> tuple[LaneState, dict[int, Entry]]:
+        """The entries and ranges of ``lane`` that its markers can reach, and the entries as
+        they were (the fold changes the state in place: it gets copies of the ranges)."""
+        entries = self.database.entries
+        loaded: dict[int, Entry] = {}
+        for pending in pendings:
+            first, last = touched(pending.marker)
+            offsets = (
+                range(first, last + 1) if isinstance(pending.marker, RangeMarker) else (first,)
+            )
+            for offset in offsets:
+                entry = entries.get((*lane, offset))
+                if entry is not None:
+                    loaded[offset] = entry
+        state = LaneState(dict(loaded), [replace(t) for t in reached])
+        return state, loaded
+
+    def _delete_entry(self, key: EntryKey) -> None:
+        del self.database.entries[key]
+        self.database.payloads.pop(key, None)
+
+    # -- redelivery ---------------------------------------------------------------------
+
+    async def next_due_by_partition(self, partitions: Iterable[int]) -> dict[int, int]:
+        db = self._db
+        owned = set(partitions)
+        out: dict[int, int] = {}
+        for entry in db.entries.values():
+            if entry.markers_partition in owned and entry.due_at_ms is not None:
+                p = entry.markers_partition
+                out[p] = min(out.get(p, entry.due_at_ms), entry.due_at_ms)
+        for by_key in db.ranges.values():
+            for tracked_range in by_key.values():
+                p = tracked_range.markers_partition
+                if p in owned:
+                    out[p] = min(out.get(p, tracked_range.due_at_ms), tracked_range.due_at_ms)
+        return out
+
+    async def next_due_ms(self, partitions: Iterable[int]) -> int | None:
+        by_partition = await self.next_due_by_partition(partitions)
+        return min(by_partition.values()) if by_partition else None
+
+    async def claim_due(
+        self,
+        markers_topic: str,
+        *,
+        epochs: dict[int, int],
+        due_by: dict[int, int],
+        now_ms: int,
+        limit: int,
+        lease_ms: int,
+        token: str,
+    ) -> tuple[list[Entry], set[int]]:
+        db = self._db
+        async with db.lock:
+            fenced = self._fenced(markers_topic, epochs)
+            self._touch(markers_topic, set(epochs) - fenced, now_ms)
+            searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
+            if not searched:
+                return [], fenced
+            self._expand_due_ranges(searched, limit)
+            due = sorted(
+                (
+                    e
+                    for e in db.entries.values()
+                    if e.markers_partition in searched
+                    and e.due_at_ms is not None
+                    and e.due_at_ms <= searched[e.markers_partition]
+                ),
+                key=lambda e: (e.due_at_ms, *e.key),
+            )[:limit]
+            for entry in due:
+                db.entries[entry.key] = replace(
+                    entry, claim_token=token, due_at_ms=now_ms + lease_ms
+                )
+        return [replace(entry, claim_token=token) for entry in due], fenced
+
+    def _expand_due_ranges(self, due_by: dict[int, int], limit: int) -> None:
+        """Due ranges, in due order until about ``limit`` offsets, become entries (as in the
+        SQL store: redelivery is per message)."""
+        candidates = sorted(
+            (
+                t
+                for by_key in self.database.ranges.values()
+                for t in by_key.values()
+                if t.markers_partition in due_by and t.due_at_ms <= due_by[t.markers_partition]
+            ),
+            key=lambda t: (t.due_at_ms, t.key),
+        )
+        offsets = 0
+        for tracked_range in candidates:
+            if offsets >= limit:
+                break
+            offsets += tracked_range.open_count
+            for offset in tracked_range.offsets():
+                entry = tracked_range.entry_at(offset)
+                self.database.entries[entry.key] = entry
+            del self.database.ranges[tracked_range.key[:3]][tracked_range.key]
+
+    async def finish_redelivery(
+        self,
+        token: str,
+        *,
+        markers_topic: str,
+        partitions: Iterable[int],
+        done: Sequence[EntryKey],
+        dead: Sequence[DeadLetterRecord],
+        lost: Sequence[tuple[EntryKey, str]],
+        retry: Sequence[tuple[EntryKey, int]],
+        now_ms: int,
+    ) -> None:
+        db = self._db
+        async with db.lock:
+            for key in [*done, *(d.entry.key for d in dead)]:
+                entry = db.entries.get(key)
+                if entry is not None and entry.claim_token == token:
+                    self._delete_entry(key)
+            for record in dead:
+                db.dead_letters.append(_dead_letter_row(len(db.dead_letters) + 1, record))
+            self._mark_lost(lost, now_ms, token=token)
+            for key, due_ms in retry:
+                entry = db.entries.get(key)
+                if entry is not None and entry.claim_token == token:
+                    db.entries[key] = replace(entry, due_at_ms=due_ms, claim_token=None)
+
+    async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
+        db = self._db
+        async with db.lock:
+            self._mark_lost(items, now_ms, token=None)
+
+    def _mark_lost(
+        self, items: Sequence[tuple[EntryKey, str]], now_ms: int, *, token: str | None
+    ) -> None:
+        entries = self.database.entries
+        for key, reason in items:
+            entry = entries.get(key)
+            if entry is None or (token is not None and entry.claim_token != token):
+                continue
+            entries[key] = replace(
+                entry,
+                state=State.LOST,
+                due_at_ms=None,
+                reason=reason,
+                claim_token=None,
+                updated_ms=now_ms,
+            )
+
+    # -- payload copies for long delays -------------------------------------------------------
+
+    async def entries_needing_payload(self, partitions: Iterable[int], limit: int) -> list[Entry]:
+        db = self._db
+        owned = set(partitions)
+        found = [
+            e
+            for key, e in db.entries.items()
+            if e.markers_partition in owned
+            and e.keep_payload
+            and key not in db.payloads
+            and e.due_at_ms is not None
+        ]
+        return found[:limit]
+
+    async def store_payloads(self, payloads: Sequence[tuple[EntryKey, StoredPayload]]) -> None:
+        db = self._db
+        async with db.lock:
+            for key, payload in payloads:
+                if key in db.entries:
+                    db.payloads[key] = payload
+
+    async def load_payloads(self, keys: Sequence[EntryKey]) -> dict[EntryKey, StoredPayload]:
+        db = self._db
+        return {key: db.payloads[key] for key in keys if key in db.payloads}
+
+    # -- inspection ---------------------------------------------------------------------------
+
+    async def get_entry(self, key: EntryKey) -> Entry | None:
+        db = self._db
+        entry = db.entries.get(key)
+        if entry is not None:
+            return entry
+        for tracked_range in db.ranges.get(key[:3], {}).values():
+            if tracked_range.holds(key[3]):
+                return tracked_range.entry_at(key[3])
+        return None
+
+    async def count_entries(self, state: State | None = None) -> int:
+        db = self._db
+        total = sum(1 for e in db.entries.values() if state is None or e.state is state)
+        if state in (None, State.IN_FLIGHT):
+            total += sum(t.open_count for by_key in db.ranges.values() for t in by_key.values())
+        return total
+
+    async def list_entries(self, limit: int = 1000, *, group: str | None = None) -> list[Entry]:
+        db = self._db
+        entries = [e for e in db.entries.values() if group is None or e.group_id == group]
+        for lane, by_key in db.ranges.items():
+            if group is None or lane[0] == group:
+                for t in by_key.values():
+                    entries += [t.entry_at(offset) for offset in t.offsets()]
+        entries.sort(key=lambda e: e.key)
+        return entries[:limit]
+
+    async def list_ranges(self) -> list[TrackedRange]:
+        db = self._db
+        found = [replace(t) for by_key in db.ranges.values() for t in by_key.values()]
+        return sorted(found, key=lambda t: t.key)
+
+    async def list_dead_letters(
+        self, limit: int = 1000, *, topic: str | None = None
+    ) -> list[dict[str, Any]]:
+        db = self._db
+        rows = [r for r in db.dead_letters if topic is None or r["origin_topic"] == topic]
+        return [dict(r) for r in rows[:limit]]
+
+    async def partition_offsets(self, markers_topic: str) -> dict[int, tuple[int, int]]:
+        db = self._db
+        return {
+            partition: (row.epoch, row.next_offset)
+            for (topic, partition), row in db.partitions.items()
+            if topic == markers_topic
+        }
+
+
+def _earlier(current: int | None, due_ms: int | None) -> int | None:
+    if due_ms is None:
+        return current
+    return due_ms if current is None or due_ms < current else current
+
+
+def _dead_letter_row(row_id: int, record: DeadLetterRecord) -> dict[str, Any]:
+    """The ``dead_letters`` row the SQL store inserts for ``record``."""
+    entry = record.entry
+    return {
+        "id": row_id,
+        "group_id": entry.group_id,
+        "origin_topic": entry.origin_topic,
+        "origin_partition": entry.origin_partition,
+        "origin_offset": entry.origin_offset,
+        "source_topic": entry.copy_topic,
+        "source_partition": entry.copy_partition,
+        "source_offset": entry.copy_offset,
+        "dlq_topic": record.dlq_topic,
+        "dlq_partition": record.dlq_partition,
+        "dlq_offset": record.dlq_offset,
+        "reason": record.reason,
+        "last_error": entry.reason,
+        "attempts": entry.attempt,
+        "first_seen_ms": entry.first_seen_ms,
+        "dead_lettered_ms": record.dead_lettered_ms,
+        "message_key": record.message_key,
+        "redriven_ms": None,
+    }
