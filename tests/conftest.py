@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.broker import (
-    TansuBroker,
+    LocalBroker,
     TopicFactory,
     create_topic,
     delete_topics,
@@ -35,7 +35,7 @@ def _external_bootstrap() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def tansu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBroker | None]:
+def tansu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalBroker | None]:
     """The session's tansu broker, or None when ``KAFKA_BOOTSTRAP_SERVERS`` names a cluster.
 
     Ask for this (rather than ``kafka_bootstrap``) only to restart the broker or to adapt to
@@ -44,7 +44,7 @@ def tansu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBrok
     if _external_bootstrap() is not None:
         yield None
         return
-    broker = TansuBroker(log_dir=tmp_path_factory.mktemp("tansu"))
+    broker = LocalBroker(log_dir=tmp_path_factory.mktemp("tansu"))
     broker.start()
     try:
         yield broker
@@ -53,7 +53,7 @@ def tansu_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TansuBrok
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap(tansu_broker: TansuBroker | None) -> str:
+def kafka_bootstrap(tansu_broker: LocalBroker | None) -> str:
     """``host:port`` of the session's Kafka-protocol cluster (tansu unless overridden)."""
     if tansu_broker is not None:
         return tansu_broker.bootstrap_servers

@@ -210,7 +210,7 @@ def run_demo(duration: float | None = None, workdir: str | None = None) -> int:
     directory = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kmq-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
     external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    broker = None if external else LocalBroker()
+    broker = None if external else LocalBroker(log_dir=directory / "broker")
     try:
         if broker is not None:
             print("starting a local broker (tansu) ...", flush=True)

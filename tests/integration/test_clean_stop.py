@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from support.broker import TansuBroker, delete_topics, free_port
+from support.broker import LocalBroker, delete_topics, free_port
 from support.tracker_run import TrackerRun, broker_down, ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -60,7 +60,7 @@ async def test_run_stops_cleanly_on_ctrl_c_while_the_broker_answers(
 
 @pytest.mark.parametrize("signum", SIGNALS)
 async def test_run_stops_cleanly_while_the_broker_is_away(signum: int, tmp_path: Path) -> None:
-    broker = TansuBroker(log_dir=tmp_path / "tansu")
+    broker = LocalBroker(log_dir=tmp_path / "tansu")
     async with broker, TrackerRun(broker.bootstrap_servers, tmp_path) as run:
         await run.wait_for_readiness("ready", ready)
         await broker.astop()

@@ -17,7 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from support.broker import (
     BrokerStartupError,
-    TansuBroker,
+    LocalBroker,
     TopicFactory,
     topic_partition_ids,
     unique_topic,
@@ -152,7 +152,7 @@ def test_unique_topic_names_are_legal_and_unique() -> None:
 
 
 def test_broker_startup_failure_reports_the_log_tail() -> None:
-    broker = TansuBroker(extra_args=["--no-such-flag"], startup_timeout=10)
+    broker = LocalBroker(extra_args=["--no-such-flag"], startup_timeout=10)
     with pytest.raises(BrokerStartupError, match="no-such-flag") as failure:
         broker.start()
     assert "exited with code" in str(failure.value)

@@ -20,7 +20,7 @@ import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import OffsetOutOfRangeError
-from support.broker import TansuBroker, delete_topics, free_port, unique_topic
+from support.broker import LocalBroker, delete_topics, free_port, unique_topic
 
 from tracker.errors import ClientClosed
 from tracker.ids import MessageId
@@ -322,7 +322,7 @@ async def test_unresponsive_or_dead_broker_is_unavailable(tmp_path: Path) -> Non
     tansu whatever ``KAFKA_BOOTSTRAP_SERVERS`` says: the reader's deadlines are under test, not
     the broker.
     """
-    async with TansuBroker(log_dir=tmp_path, stop_timeout=1.0) as broker:
+    async with LocalBroker(log_dir=tmp_path, stop_timeout=1.0) as broker:
         bootstrap = broker.bootstrap_servers
         topic = unique_topic("originals-gone")
         await ensure_topic(bootstrap, topic, partitions=2)

@@ -5,7 +5,7 @@ in its metadata. To cut a client off from the broker, every connection must go t
 proxy. Two ways, one interface (``address`` for clients, ``proxy`` to cut and heal):
 
 * **tansu (default)**: a dedicated tansu whose listener is a private port and whose advertised
-  listener is a :class:`~support.proxy.TcpProxy`. ``TansuBroker`` uses one URL for both; a
+  listener is a :class:`~support.proxy.TcpProxy`. ``LocalBroker`` uses one URL for both; a
   small wrapper executable (written next to the broker log) swaps the
   ``--advertised-listener-url`` argument before exec'ing the real binary, so the harness's
   broker class is reused unchanged (readiness probe, log, stop).
@@ -28,7 +28,7 @@ from typing import Self
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 from support.broker import (
-    TansuBroker,
+    LocalBroker,
     delete_topics,
     find_tansu_binary,
     free_port,
@@ -77,7 +77,7 @@ class ProxiedBroker:
         else:
             self.broker_port = free_port()
             self.proxy = TcpProxy("127.0.0.1", self.broker_port)
-        self.broker: TansuBroker | None = None
+        self.broker: LocalBroker | None = None
         #: names (and name prefixes) of topics to delete from an external cluster afterwards
         self.own_topics: list[str] = []
 
@@ -100,7 +100,7 @@ class ProxiedBroker:
             wrapper = _advertising_wrapper(
                 find_tansu_binary(), f"tcp://{self.proxy.address}", self.log_dir
             )
-            self.broker = TansuBroker(binary=wrapper, port=self.broker_port, log_dir=self.log_dir)
+            self.broker = LocalBroker(binary=wrapper, port=self.broker_port, log_dir=self.log_dir)
             await self.broker.astart()
         except BaseException:
             await self.proxy.__aexit__(None, None, None)
