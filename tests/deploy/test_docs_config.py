@@ -7,15 +7,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+import docs_config
 import pytest
 
-from tracker import docs_config
 from tracker.metrics import Metrics
 from tracker.settings import TrackerSettings, load_settings
 
 pytestmark = pytest.mark.unit
 
-REGENERATE = "run `python -m tracker.docs_config` and commit the result"
+REGENERATE = "run `python scripts/docs_config.py` and commit the result"
 
 
 @pytest.fixture(autouse=True)

@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
+import docs_config
 import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from tracker import docs_config
 from tracker.client.markers import KafkaMarkerSink
 from tracker.ids import MessageId
 from tracker.metrics import Metrics
