@@ -39,14 +39,7 @@ from support.store_steps import (
 from tracker.domain.entries import Entry, State
 from tracker.protocol import AnyMarker, Marker
 from tracker.store.errors import Fenced
-from tracker.store.manager import (
-    Store,
-    dead_letters,
-    partitions_table,
-    ranges_table,
-    tracked,
-    tracked_counts,
-)
+from tracker.store.manager import Store
 from tracker.store.memory import InMemoryStore
 from tracker.store.migrate import upgrade
 from tracker.store.port import (
@@ -55,6 +48,13 @@ from tracker.store.port import (
     PartitionProgress,
     StoredPayload,
     TrackerStore,
+)
+from tracker.store.tables import (
+    dead_letters,
+    partitions_table,
+    ranges_table,
+    tracked,
+    tracked_counts,
 )
 
 pytestmark = [pytest.mark.integration]

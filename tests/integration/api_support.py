@@ -25,7 +25,7 @@ from tracker.runtime import standalone_api_context
 from tracker.settings import TrackerSettings
 from tracker.store.admin_reads import actions_table, items_table, jobs_table
 from tracker.store.counts import CountChanges
-from tracker.store.manager import (
+from tracker.store.tables import (
     dead_letters,
     partitions_table,
     ranges_table,

@@ -24,7 +24,7 @@ from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
 from tracker.protocol import Marker
 from tracker.store.counts import CountChanges
-from tracker.store.manager import partitions_table, tracked, tracked_counts
+from tracker.store.tables import partitions_table, tracked, tracked_counts
 
 from .api_support import (
     READ_TOKEN,

@@ -14,8 +14,8 @@ from support.broker import unique_topic
 
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.headers import REDRIVE_ITEM, REDRIVE_JOB
-from tracker.store.manager import dead_letters
 from tracker.store.redrive_jobs import ProducedItem
+from tracker.store.tables import dead_letters
 
 from .api_support import T0, ApiEnv, api_env, produce
 from .engine_support import eventually

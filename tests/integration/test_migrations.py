@@ -27,7 +27,6 @@ from support.databases import sqlite_url as make_sqlite_url
 
 from tracker.store.dialects import create_engine
 from tracker.store.errors import SchemaOutdated
-from tracker.store.manager import dead_letters, tracked
 from tracker.store.migrate import (
     alembic_config,
     check_schema,
@@ -36,6 +35,7 @@ from tracker.store.migrate import (
     upgrade,
 )
 from tracker.store.models import Base
+from tracker.store.tables import dead_letters, tracked
 
 pytestmark = [pytest.mark.integration]
 

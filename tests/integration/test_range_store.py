@@ -35,10 +35,11 @@ from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeMarker
 from tracker.store.inspection import EntryFilter, EntryOrder, InspectionQueries
-from tracker.store.manager import Store, partitions_table, ranges_table, tracked, tracked_counts
+from tracker.store.manager import Store
 from tracker.store.migrate import upgrade
 from tracker.store.operator_actions import OperatorActions
 from tracker.store.port import PartitionProgress, PendingMarker
+from tracker.store.tables import partitions_table, ranges_table, tracked, tracked_counts
 
 pytestmark = [pytest.mark.integration]
 

@@ -35,18 +35,18 @@ from support.store_steps import (
 from tracker.protocol import Marker
 from tracker.store.dialects import keys_in
 from tracker.store.inspection import EntryFilter, InspectionQueries
-from tracker.store.manager import (
+from tracker.store.manager import Store
+from tracker.store.migrate import upgrade
+from tracker.store.port import (
+    DeadLetterRecord,
+)
+from tracker.store.tables import (
     KEY_COLUMNS,
-    Store,
     dead_letters,
     partitions_table,
     ranges_table,
     tracked,
     tracked_counts,
-)
-from tracker.store.migrate import upgrade
-from tracker.store.port import (
-    DeadLetterRecord,
 )
 
 pytestmark = [pytest.mark.integration]

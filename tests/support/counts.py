@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tracker.store.manager import (
+from tracker.store.tables import (
     dead_letter_counts,
     dead_letters,
     ranges_table,

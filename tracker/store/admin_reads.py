@@ -28,15 +28,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey
 
-from .manager import (
-    ENTRY_COLUMN_NAMES,
-    KEY_COLUMNS,
-    Store,
-    dead_letters,
-    entry_from_values,
-    tracked,
-)
+from .manager import Store
 from .models import EntryAction, RedriveItem, RedriveJob
+from .tables import ENTRY_COLUMN_NAMES, KEY_COLUMNS, dead_letters, entry_from_values, tracked
 
 actions_table: Table = EntryAction.__table__  # type: ignore[assignment]
 jobs_table: Table = RedriveJob.__table__  # type: ignore[assignment]

@@ -31,7 +31,9 @@ from .admin_reads import (
     entry_view,
     typed_row,
 )
-from .manager import (
+from .operator_actions import ActionRecord, action_record
+from .port import StoredPayload
+from .tables import (
     KEY_COLUMNS,
     chunks,
     dead_letter_counts,
@@ -41,8 +43,6 @@ from .manager import (
     tracked,
     tracked_counts,
 )
-from .operator_actions import ActionRecord, action_record
-from .port import StoredPayload
 
 
 class EntryOrder(enum.StrEnum):

@@ -14,34 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import operator
-import struct
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
-    Integer,
-    Select,
-    String,
-    Table,
     and_,
-    bindparam,
     delete,
     func,
     or_,
     select,
     true,
     tuple_,
-    union_all,
     update,
 )
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
-from sqlalchemy.sql.dml import Update
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
@@ -71,18 +61,18 @@ from .dialects import (
     mark_claimed,
     max_bind_rows,
     read_engine,
-    rowid_column,
     upsert_rows,
 )
-from .errors import Fenced, StoreUnavailable
-from .models import (
-    DeadLetter,
-    DeadLetterCount,
-    MarkersPartition,
-    TrackedCount,
-    TrackedMessage,
-    TrackedRangeRow,
+from .due_queries import (
+    DUE_AT,
+    DUE_QUERY_PARTITIONS,
+    ENTRY_WIDTH,
+    TOKEN_AT,
+    claim_query,
+    due_order,
+    due_query,
 )
+from .errors import Fenced, StoreUnavailable
 from .port import (
     ApplyResult,
     Claim,
@@ -91,48 +81,22 @@ from .port import (
     PendingMarker,
     StoredPayload,
 )
+from .tables import (
+    ENTRY_COLUMN_NAMES,
+    KEY_COLUMNS,
+    RANGE_KEY_COLUMNS,
+    chunks,
+    dead_letters,
+    decode_headers,
+    encode_headers,
+    entry_from_values,
+    partitions_table,
+    ranges_table,
+    row_from_entry,
+    tracked,
+    tracked_counts,
+)
 
-tracked: Table = TrackedMessage.__table__  # type: ignore[assignment]
-ranges_table: Table = TrackedRangeRow.__table__  # type: ignore[assignment]
-partitions_table: Table = MarkersPartition.__table__  # type: ignore[assignment]
-dead_letters: Table = DeadLetter.__table__  # type: ignore[assignment]
-tracked_counts: Table = TrackedCount.__table__  # type: ignore[assignment]
-dead_letter_counts: Table = DeadLetterCount.__table__  # type: ignore[assignment]
-
-#: The columns of a tracked range's key, in key order.
-RANGE_KEY_COLUMNS = (
-    ranges_table.c.group_id,
-    ranges_table.c.origin_topic,
-    ranges_table.c.origin_partition,
-    ranges_table.c.first_offset,
-)
-#: The columns of an entry's key, in key order.
-KEY_COLUMNS = (
-    tracked.c.group_id,
-    tracked.c.origin_topic,
-    tracked.c.origin_partition,
-    tracked.c.origin_offset,
-)
-ENTRY_COLUMN_NAMES = (
-    "group_id",
-    "origin_topic",
-    "origin_partition",
-    "origin_offset",
-    "markers_partition",
-    "state",
-    "attempt",
-    "copy_topic",
-    "copy_partition",
-    "copy_offset",
-    "due_at_ms",
-    "first_seen_ms",
-    "updated_ms",
-    "deferred",
-    "consumer",
-    "reason",
-    "keep_payload",
-    "claim_token",
-)
 _UPDATE_COLUMNS = ENTRY_COLUMN_NAMES[4:]
 _KEY_CHUNK = 500
 #: lanes (or spans) per statement of the range-aware loads
@@ -146,179 +110,6 @@ _RANGE_LANE = (
 #: what an entry is counted by (tracker.store.counts)
 _COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
 _ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of ENTRY_COLUMN_NAMES
-_T = TypeVar("_T")
-
-
-def encode_headers(headers: Iterable[tuple[str, bytes | None]]) -> bytes:
-    """Headers as ``u16 name length, name, i32 value length (-1 = null), value`` repeated."""
-    out = bytearray()
-    for name, value in headers:
-        raw = name.encode("utf-8")
-        out += struct.pack(">H", len(raw)) + raw
-        if value is None:
-            out += struct.pack(">i", -1)
-        else:
-            out += struct.pack(">i", len(value)) + bytes(value)
-    return bytes(out)
-
-
-def decode_headers(data: bytes | None) -> tuple[tuple[str, bytes | None], ...]:
-    out: list[tuple[str, bytes | None]] = []
-    pos = 0
-    data = data or b""
-    while pos < len(data):
-        (name_len,) = struct.unpack_from(">H", data, pos)
-        name = data[pos + 2 : pos + 2 + name_len].decode("utf-8")
-        pos += 2 + name_len
-        (value_len,) = struct.unpack_from(">i", data, pos)
-        pos += 4
-        value = None if value_len < 0 else data[pos : pos + value_len]
-        pos += max(0, value_len)
-        out.append((name, value))
-    return tuple(out)
-
-
-def entry_from_values(row: Sequence[Any], claimed_by: str | None = None) -> Entry:
-    """An :class:`Entry` from a row of exactly :data:`ENTRY_COLUMN_NAMES`, in that order.
-
-    Rows are read by position (ingest's key lookup, claims, the admin API's listings):
-    building a name mapping per row cost as much as the query. ``claimed_by`` replaces the
-    row's claim token (a claim builds its entries so rather than copying each with
-    ``replace``).
-    """
-    (
-        group_id,
-        origin_topic,
-        origin_partition,
-        origin_offset,
-        markers_partition,
-        state,
-        attempt,
-        copy_topic,
-        copy_partition,
-        copy_offset,
-        due_at_ms,
-        first_seen_ms,
-        updated_ms,
-        deferred,
-        consumer,
-        reason,
-        keep_payload,
-        claim_token,
-    ) = row
-    return Entry(
-        group_id=group_id,
-        origin_topic=origin_topic,
-        origin_partition=origin_partition,
-        origin_offset=origin_offset,
-        markers_partition=markers_partition,
-        state=_STATES[state],
-        attempt=attempt,
-        copy_topic=copy_topic,
-        copy_partition=copy_partition,
-        copy_offset=copy_offset,
-        due_at_ms=due_at_ms,
-        first_seen_ms=first_seen_ms,
-        updated_ms=updated_ms,
-        deferred=bool(deferred),
-        consumer=consumer,
-        reason=reason,
-        keep_payload=bool(keep_payload),
-        claim_token=claim_token if claimed_by is None else claimed_by,
-    )
-
-
-_STATES = {state.value: state for state in State}
-_ENTRY_WIDTH = len(ENTRY_COLUMN_NAMES)
-_DUE_AT = ENTRY_COLUMN_NAMES.index("due_at_ms")
-_TOKEN_AT = ENTRY_COLUMN_NAMES.index("claim_token")
-
-
-def _due_order(row: Sequence[Any]) -> tuple[Any, ...]:
-    """A due row's place in claim order: due time, then key."""
-    return (row[_DUE_AT], *row[:4])
-
-
-#: Markers partitions per claim query (a UNION ALL of one index range each).
-_DUE_QUERY_PARTITIONS = 100
-
-
-@functools.cache
-def _claim_query(partitions: int) -> Update:
-    """PostgreSQL: claim :func:`_due_query`'s rows in one statement, returning them as they
-    were before (parameters ``token`` and ``claimed_due`` besides the due query's).
-
-    Reading the rows and then updating them by key arrays (``unnest``) cost 45 ms per 1,000
-    on top of the read; joined on the primary key in one ``UPDATE .. FROM`` it is one index
-    probe per row and no second round trip.
-    """
-    due = _due_query(partitions, "postgresql").subquery("due")
-    return (
-        update(tracked)
-        .values(
-            claim_token=bindparam("token", type_=String),
-            due_at_ms=bindparam("claimed_due", type_=BigInteger),
-        )
-        .where(tuple_(*KEY_COLUMNS) == tuple_(*(due.c[c.name] for c in KEY_COLUMNS)))
-        .returning(*due.c)
-    )
-
-
-@functools.cache
-def _due_query(partitions: int, dialect_name: str) -> Select[Any]:
-    """The earliest ``:limit`` entries due in ``partitions`` markers partitions.
-
-    Parameters ``p0, t0, p1, t1, ...`` (partition, due by) and ``limit``. Each partition's
-    earliest entries come from its own range of the (markers_partition, due_at_ms) index (one
-    query over an OR of partitions sorted every due row first: 17x slower at 1M entries than
-    at 10k), and the database merges them, so only the claimed rows come back (building an
-    Entry for every partition's candidates in Python was most of a burst round's claim). Built
-    once per partition count: constructing the statement cost as much as running it. On
-    SQLite each row ends with its ``rowid``, by which the claim marks it.
-    """
-    columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
-    limit = bindparam("limit", type_=Integer)
-    per_partition = [
-        select(*columns, *(c.label("kmq_rowid") for c in rowid_column(dialect_name)))
-        .where(
-            tracked.c.markers_partition == bindparam(f"p{i}", type_=Integer),
-            tracked.c.due_at_ms <= bindparam(f"t{i}", type_=BigInteger),
-        )
-        .order_by(tracked.c.due_at_ms)
-        .limit(limit)
-        .subquery()
-        for i in range(partitions)
-    ]
-    merged = union_all(*(select(*sub.c) for sub in per_partition)).subquery("due")
-    return (
-        select(*merged.c)
-        .order_by(merged.c.due_at_ms, *(merged.c[c.name] for c in KEY_COLUMNS))
-        .limit(limit)
-    )
-
-
-def _row_from_entry(entry: Entry) -> tuple[Any, ...]:
-    """The values of :data:`ENTRY_COLUMN_NAMES` for ``entry``, in that order."""
-    return (
-        entry.group_id,
-        entry.origin_topic,
-        entry.origin_partition,
-        entry.origin_offset,
-        entry.markers_partition,
-        entry.state.value,
-        entry.attempt,
-        entry.copy_topic,
-        entry.copy_partition,
-        entry.copy_offset,
-        entry.due_at_ms,
-        entry.first_seen_ms,
-        entry.updated_ms,
-        entry.deferred,
-        entry.consumer,
-        entry.reason,
-        entry.keep_payload,
-        entry.claim_token,
-    )
 
 
 def _merge_spans(
@@ -333,12 +124,6 @@ def _merge_spans(
         else:
             merged.append((lane, first, last))
     return merged
-
-
-def chunks(items: Sequence[_T], size: int) -> Iterable[Sequence[_T]]:
-    """``items`` in consecutive slices of at most ``size``."""
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 class Store:
@@ -581,7 +366,7 @@ class Store:
                             deletes.append(key)
                             counts.change(before, None)
                     elif entry != before:
-                        upserts.append(_row_from_entry(entry))
+                        upserts.append(row_from_entry(entry))
                         counts.change(before, entry)
                         if entry.due_at_ms is not None and (
                             earliest is None or entry.due_at_ms < earliest
@@ -786,18 +571,18 @@ class Store:
             # SQLite allows 500 terms in a compound SELECT: a few queries for a replica
             # owning hundreds of markers partitions, merged here.
             rows: list[Sequence[Any]] = []
-            groups = list(chunks(sorted(searched.items()), _DUE_QUERY_PARTITIONS))
+            groups = list(chunks(sorted(searched.items()), DUE_QUERY_PARTITIONS))
             sqlite = conn.dialect.name == "sqlite"
             for group in groups:
                 params: dict[str, Any] = {"limit": limit}
                 for i, (p, t) in enumerate(group):
                     params[f"p{i}"], params[f"t{i}"] = p, t
                 if sqlite:  # read, then mark by rowid (no UPDATE .. FROM .. RETURNING there)
-                    rows += await driver_rows(conn, _due_query(len(group), "sqlite"), params)
+                    rows += await driver_rows(conn, due_query(len(group), "sqlite"), params)
                 else:  # one statement marks the rows and returns them as they were
                     params.update(token=token, claimed_due=now_ms + lease_ms)
-                    rows += await driver_rows(conn, _claim_query(len(group)), params)
-            rows.sort(key=_due_order)
+                    rows += await driver_rows(conn, claim_query(len(group)), params)
+            rows.sort(key=due_order)
             if len(groups) > 1:
                 # Claimed beyond ``limit`` on PostgreSQL: given back in the same transaction.
                 rows, extra = rows[:limit], rows[limit:]
@@ -805,7 +590,7 @@ class Store:
                     await self._unclaim(conn, extra, token)
             if sqlite:
                 await mark_claimed(conn, tracked, rows, token=token, due_at_ms=now_ms + lease_ms)
-        return [entry_from_values(row[:_ENTRY_WIDTH], token) for row in rows], fenced
+        return [entry_from_values(row[:ENTRY_WIDTH], token) for row in rows], fenced
 
     async def _unclaim(
         self, conn: AsyncConnection, rows: Sequence[Sequence[Any]], token: str
@@ -815,7 +600,7 @@ class Store:
             await conn.execute(
                 update(tracked)
                 .where(tuple_(*KEY_COLUMNS) == tuple(row[:4]), tracked.c.claim_token == token)
-                .values(due_at_ms=row[_DUE_AT], claim_token=row[_TOKEN_AT])
+                .values(due_at_ms=row[DUE_AT], claim_token=row[TOKEN_AT])
             )
 
     async def _expand_due_ranges(
@@ -835,7 +620,7 @@ class Store:
         r = ranges_table.c
         columns = [r[name] for name in RANGE_COLUMN_NAMES]
         candidates: list[TrackedRange] = []
-        for group in chunks(sorted(due_by.items()), _DUE_QUERY_PARTITIONS):
+        for group in chunks(sorted(due_by.items()), DUE_QUERY_PARTITIONS):
             rows = await conn.execute(
                 select(*columns)
                 .where(or_(*(and_(r.markers_partition == p, r.due_at_ms <= t) for p, t in group)))
@@ -854,7 +639,7 @@ class Store:
             due.append(tracked_range)
             offsets += tracked_range.open_count
         rows_out = sorted(
-            (_row_from_entry(t.entry_at(offset)) for t in due for offset in t.offsets()),
+            (row_from_entry(t.entry_at(offset)) for t in due for offset in t.offsets()),
             key=_ROW_KEY,
         )
         for row_chunk in chunks(rows_out, 5_000):
@@ -1132,7 +917,7 @@ class Store:
                 conn, ranges_table, RANGE_COLUMN_NAMES, _RANGE_UPDATE_COLUMNS, [holder.row()]
             )
         await upsert_rows(
-            conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, [_row_from_entry(entry)]
+            conn, tracked, ENTRY_COLUMN_NAMES, _UPDATE_COLUMNS, [row_from_entry(entry)]
         )
         return entry
 

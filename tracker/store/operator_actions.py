@@ -36,7 +36,7 @@ from tracker.domain.entries import EntryKey, State
 from .admin_reads import AdminQueries, actions_table
 from .counts import CountChanges
 from .errors import IdempotencyConflict
-from .manager import KEY_COLUMNS, partitions_table, tracked, tracked_counts
+from .tables import KEY_COLUMNS, partitions_table, tracked, tracked_counts
 
 
 @dataclass(frozen=True, slots=True)

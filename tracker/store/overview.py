@@ -15,14 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import State
 
-from .manager import (
-    Store,
-    dead_letter_counts,
-    dead_letters,
-    partitions_table,
-    ranges_table,
-    tracked,
-)
+from .manager import Store
+from .tables import dead_letter_counts, dead_letters, partitions_table, ranges_table, tracked
 
 #: Due entries counted per page at most (per kind of row: entries, then ranges).
 DUE_CAP = 10_000

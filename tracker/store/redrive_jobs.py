@@ -43,7 +43,7 @@ from .admin_reads import (
     jobs_table,
 )
 from .errors import IdempotencyConflict, JobNotCancellable, LeaseLost, UnknownDeadLetters
-from .manager import dead_letters
+from .tables import dead_letters
 
 #: Where each item of a batch was produced (executemany; bind names differ from columns).
 _SET_PRODUCED = (
