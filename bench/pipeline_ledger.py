@@ -116,7 +116,7 @@ def bench_memory(spark: Any, markers: int, workdir: Path) -> dict[str, Any]:
     from pyspark.sql import functions as F  # noqa: PLC0415
 
     from pipeline.decode import decode_markers_frame  # noqa: PLC0415
-    from pipeline.ledger import LedgerParams, build_ledger  # noqa: PLC0415
+    from pipeline.ledger_fold import LedgerParams, build_ledger  # noqa: PLC0415
 
     raw_path = str(workdir / "raw")
     messages = messages_for(markers)
@@ -200,7 +200,8 @@ async def _produce(bootstrap: str, topic: str, messages: int) -> int:
 def bench_broker(spark: Any, markers: int, workdir: Path, bootstrap: str | None) -> dict[str, Any]:
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    from pipeline.ledger import LedgerJob, LedgerParams, run_ledger  # noqa: PLC0415
+    from pipeline.ledger import LedgerJob, run_ledger  # noqa: PLC0415
+    from pipeline.ledger_fold import LedgerParams  # noqa: PLC0415
     from pipeline.offsets import resolve_ranges  # noqa: PLC0415
     from pipeline.source import read_kafka  # noqa: PLC0415
     from tracker.localbroker import LocalBroker  # noqa: PLC0415

@@ -22,15 +22,8 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from pipeline.ledger import (
-    BROKEN_STATES,
-    OPEN_STATES,
-    LedgerError,
-    as_utc,
-    committed_runs,
-    load_ledger,
-    open_state,
-)
+from pipeline.ledger import committed_runs, load_ledger
+from pipeline.ledger_fold import BROKEN_STATES, OPEN_STATES, LedgerError, as_utc, open_state
 from tracker.clock import to_millis
 
 #: Columns listed for each broken message.

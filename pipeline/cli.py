@@ -243,7 +243,8 @@ def _print(data: Any) -> None:
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
-    from pipeline.ledger import LedgerJob, LedgerParams, run_ledger  # noqa: PLC0415
+    from pipeline.ledger import LedgerJob, run_ledger  # noqa: PLC0415
+    from pipeline.ledger_fold import LedgerParams  # noqa: PLC0415
     from pipeline.offsets import Bound  # noqa: PLC0415
 
     params = LedgerParams(
@@ -352,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from pipeline.bulk_redrive import RedriveError  # noqa: PLC0415
-        from pipeline.ledger import LedgerError  # noqa: PLC0415
+        from pipeline.ledger_fold import LedgerError  # noqa: PLC0415
         from pipeline.offsets import OffsetsError  # noqa: PLC0415
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in _SPARK_MODULES:

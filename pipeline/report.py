@@ -25,7 +25,8 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipeline.charts import PALETTE, bar_chart, hbar_chart, line_chart
-from pipeline.ledger import FINAL_STATES, LedgerError, as_utc, committed_runs, load_ledger
+from pipeline.ledger import committed_runs, load_ledger
+from pipeline.ledger_fold import FINAL_STATES, LedgerError, as_utc
 
 PERCENTILES = (0.5, 0.9, 0.95, 0.99)
 _NICE_BUCKETS = (1, 5, 10, 30, 60, 300, 900, 1800, 3600, 6 * 3600, 86400, 7 * 86400)

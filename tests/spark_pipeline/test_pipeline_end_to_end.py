@@ -29,7 +29,8 @@ from support.databases import sqlite_url
 from pipeline.audit import audit_ledger
 from pipeline.bulk_redrive import BulkRedriveJob, read_manifest, run_redrive
 from pipeline.cli import main
-from pipeline.ledger import LedgerJob, LedgerParams, load_ledger, run_ledger
+from pipeline.ledger import LedgerJob, load_ledger, run_ledger
+from pipeline.ledger_fold import LedgerParams
 from pipeline.report import build_report, write_report
 from pipeline.spark_session import CODE_DIR
 from tracker.client import KmqMessage, KmqProducer

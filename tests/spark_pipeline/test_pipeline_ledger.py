@@ -17,14 +17,8 @@ from pyspark.sql import SparkSession
 from support.broker import create_topics
 
 from pipeline.audit import audit_ledger
-from pipeline.ledger import (
-    LedgerJob,
-    LedgerParams,
-    as_utc,
-    committed_runs,
-    load_ledger,
-    run_ledger,
-)
+from pipeline.ledger import LedgerJob, committed_runs, load_ledger, run_ledger
+from pipeline.ledger_fold import LedgerParams, as_utc
 from pipeline.report import build_report, render_html, write_report
 from tracker.clock import to_millis
 
