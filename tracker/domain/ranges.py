@@ -24,8 +24,8 @@ offset), so the first offset identifies a range within its lane.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from tracker.domain.entries import Entry, State, apply_marker
@@ -234,6 +234,65 @@ def fold_lane(
         if why is not None:
             anomalies.append((index, why))
     return anomalies
+
+
+@dataclass(slots=True)
+class LaneChanges:
+    """What folding a flush's markers into one lane changed: what a store must write.
+
+    Every store (SQL, in memory) applies markers through :func:`fold_lane_changes`, so they
+    write the same things for the same markers.
+    """
+
+    #: ``(index of the marker, why it was not applied)``
+    anomalies: list[tuple[int, str]] = field(default_factory=list)
+    #: entries new or changed: ``(as it was or None, as it is now)``
+    entries_written: list[tuple[Entry | None, Entry]] = field(default_factory=list)
+    #: entries the fold removed, as they were
+    entries_deleted: list[Entry] = field(default_factory=list)
+    #: every range the markers could reach, as it was; then every range of the lane after
+    ranges_before: list[TrackedRange] = field(default_factory=list)
+    ranges_after: list[TrackedRange] = field(default_factory=list)
+    #: ranges new or changed, and the keys of those that are gone
+    ranges_written: list[TrackedRange] = field(default_factory=list)
+    ranges_deleted: list[RangeKey] = field(default_factory=list)
+    #: the earliest due time among what was written (None: nothing due was written)
+    earliest_due_ms: int | None = None
+
+
+def fold_lane_changes(
+    entries: Mapping[int, Entry],
+    ranges: Sequence[TrackedRange],
+    markers: Sequence[LaneMarker],
+    policy_for: PolicyLookup,
+) -> LaneChanges:
+    """Fold ``markers`` (of one lane) into the lane's ``entries`` (by origin offset) and
+    ``ranges`` as the store holds them, and say what changed. The store passes everything the
+    markers' spans reach (:func:`touched`); the arguments are not modified."""
+    state = LaneState(dict(entries), [replace(t) for t in ranges])
+    changes = LaneChanges(anomalies=fold_lane(state, markers, policy_for))
+    earliest: int | None = None
+    for offset, entry in state.entries.items():
+        before = entries.get(offset)
+        if entry is None:
+            if before is not None:
+                changes.entries_deleted.append(before)
+        elif entry != before:
+            changes.entries_written.append((before, entry))
+            if entry.due_at_ms is not None and (earliest is None or entry.due_at_ms < earliest):
+                earliest = entry.due_at_ms
+    before_ranges = {t.key: t for t in ranges}
+    after_ranges = {t.key: t for t in state.ranges}
+    changes.ranges_before = list(ranges)
+    changes.ranges_after = list(state.ranges)
+    changes.ranges_deleted = [key for key in before_ranges if key not in after_ranges]
+    for key, new in after_ranges.items():
+        if before_ranges.get(key) != new:
+            changes.ranges_written.append(new)
+            if earliest is None or new.due_at_ms < earliest:
+                earliest = new.due_at_ms
+    changes.earliest_due_ms = earliest
+    return changes
 
 
 def _holder(state: LaneState, offset: int) -> TrackedRange | None:

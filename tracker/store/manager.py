@@ -17,7 +17,6 @@ import contextlib
 import operator
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import (
@@ -39,10 +38,9 @@ from tracker.domain.ranges import (
     RANGE_COLUMN_NAMES,
     LaneKey,
     LaneMarker,
-    LaneState,
     RangeKey,
     TrackedRange,
-    fold_lane,
+    fold_lane_changes,
     lane_of,
     touched,
 )
@@ -109,6 +107,8 @@ _RANGE_LANE = (
 )
 #: what an entry is counted by (tracker.store.counts)
 _COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
+#: how the open offsets of a tracked range are counted (tracker.store.counts)
+IN_FLIGHT = State.IN_FLIGHT.value
 _ROW_KEY = operator.itemgetter(0, 1, 2, 3)  #: the key of a row of ENTRY_COLUMN_NAMES
 
 
@@ -342,7 +342,7 @@ class Store:
                 raise Fenced(fenced)
             if not lanes:
                 return result
-            states, loaded_entries, loaded_ranges = await self._load_lanes(conn, lanes)
+            entries, ranges = await self._load_lanes(conn, lanes)
             upserts: list[tuple[Any, ...]] = []
             deletes: list[EntryKey] = []
             range_upserts: list[tuple[Any, ...]] = []
@@ -350,43 +350,29 @@ class Store:
             counts = CountChanges()
             earliest: int | None = None
             for lane, pendings in lanes.items():
-                state = states[lane]
-                for index, why in fold_lane(
-                    state,
+                changes = fold_lane_changes(
+                    entries.get(lane, {}),
+                    list(ranges.get(lane, {}).values()),
                     [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
                     policy_for,
-                ):
-                    result.anomalies.append((pendings[index], why))
-                group, topic, partition = lane
-                for offset, entry in state.entries.items():
-                    key = (group, topic, partition, offset)
-                    before = loaded_entries.get(key)
-                    if entry is None:
-                        if before is not None:
-                            deletes.append(key)
-                            counts.change(before, None)
-                    elif entry != before:
-                        upserts.append(row_from_entry(entry))
-                        counts.change(before, entry)
-                        if entry.due_at_ms is not None and (
-                            earliest is None or entry.due_at_ms < earliest
-                        ):
-                            earliest = entry.due_at_ms
-                after = {r.key: r for r in state.ranges}
-                for key, old in loaded_ranges.get(lane, {}).items():
-                    counts.add(
-                        (old.markers_partition, topic, State.IN_FLIGHT.value), -old.open_count
-                    )
-                    if key not in after:
-                        range_deletes.append(key)
-                for key, new in after.items():
-                    counts.add(
-                        (new.markers_partition, topic, State.IN_FLIGHT.value), new.open_count
-                    )
-                    if loaded_ranges.get(lane, {}).get(key) != new:
-                        range_upserts.append(new.row())
-                        if earliest is None or new.due_at_ms < earliest:
-                            earliest = new.due_at_ms
+                )
+                result.anomalies += [(pendings[i], why) for i, why in changes.anomalies]
+                for before, entry in changes.entries_written:
+                    upserts.append(row_from_entry(entry))
+                    counts.change(before, entry)
+                for before in changes.entries_deleted:
+                    deletes.append(before.key)
+                    counts.change(before, None)
+                topic = lane[1]
+                for old in changes.ranges_before:
+                    counts.add((old.markers_partition, topic, IN_FLIGHT), -old.open_count)
+                for new in changes.ranges_after:
+                    counts.add((new.markers_partition, topic, IN_FLIGHT), new.open_count)
+                range_upserts += [t.row() for t in changes.ranges_written]
+                range_deletes += changes.ranges_deleted
+                due = changes.earliest_due_ms
+                if due is not None and (earliest is None or due < earliest):
+                    earliest = due
             result.earliest_due_ms = earliest
             await self._write_folded(conn, upserts, deletes, range_upserts, range_deletes)
             await counts.write(conn, self.engine, tracked_counts)
@@ -423,13 +409,9 @@ class Store:
 
     async def _load_lanes(
         self, conn: AsyncConnection, lanes: dict[LaneKey, list[PendingMarker]]
-    ) -> tuple[
-        dict[LaneKey, LaneState],
-        dict[EntryKey, Entry],
-        dict[LaneKey, dict[RangeKey, TrackedRange]],
-    ]:
-        """Everything the lanes' markers can reach: entries (by key and in the ranges'
-        spans) and the tracked ranges overlapping what they touch."""
+    ) -> tuple[dict[LaneKey, dict[int, Entry]], dict[LaneKey, dict[RangeKey, TrackedRange]]]:
+        """Everything the lanes' markers can reach, per lane: entries by origin offset (by key
+        and in the ranges' spans) and the tracked ranges overlapping what they touch."""
         keys: list[EntryKey] = []
         spans: list[tuple[LaneKey, int, int]] = []
         reach: list[tuple[LaneKey, int, int]] = []  #: every offset a marker touches
@@ -489,13 +471,10 @@ class Store:
             for row in rows:
                 tracked_range = TrackedRange.from_row(row)
                 found_ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
-        states: dict[LaneKey, LaneState] = {lane: LaneState({}, []) for lane in lanes}
+        entries: dict[LaneKey, dict[int, Entry]] = defaultdict(dict)
         for key, entry in loaded.items():
-            states[key[:3]].entries[key[3]] = entry
-        for lane, by_key in found_ranges.items():
-            # The fold changes ranges in place: it gets copies, the originals are "before".
-            states[lane].ranges = [replace(t) for t in by_key.values()]
-        return states, loaded, found_ranges
+            entries[key[:3]][key[3]] = entry
+        return entries, found_ranges
 
     # -- redelivery --------------------------------------------------------------------
 

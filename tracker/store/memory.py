@@ -3,9 +3,9 @@
 For tests of engine logic that should run in milliseconds, ours and users' (a consumer team
 can run ingest and redelivery against it without a database). It keeps the same rules as the
 SQL store, and the contract suite (``tests/contract/test_store_contract.py``) holds both to
-them: each call is atomic, epochs fence replicas, markers fold with the same domain functions
-(:func:`tracker.domain.ranges.fold_lane`), claims push entries to the lease and hand back what
-they were, a round's record only touches what its token still holds.
+them: each call is atomic, epochs fence replicas, markers fold with the same domain function
+(:func:`tracker.domain.ranges.fold_lane_changes`), claims push entries to the lease and hand
+back what they were, a round's record only touches what its token still holds.
 
 Several :class:`InMemoryStore` objects on one :class:`MemoryDatabase` are several replicas on
 one database. Nothing is persisted; there is no counter table and no admin side (the admin
@@ -25,10 +25,9 @@ from tracker.domain.policy import PolicyLookup
 from tracker.domain.ranges import (
     LaneKey,
     LaneMarker,
-    LaneState,
     RangeKey,
     TrackedRange,
-    fold_lane,
+    fold_lane_changes,
     lane_of,
     touched,
 )
@@ -154,36 +153,24 @@ class InMemoryStore:
                 row.next_offset, row.updated_ms = pr.next_offset, now_ms
             earliest: int | None = None
             for lane, pendings in lanes.items():
-                reached = self._ranges_reached(lane, pendings)
-                state, loaded = self._load_lane(lane, pendings, reached)
-                before_ranges = {r.key: r for r in reached}
-                for index, why in fold_lane(
-                    state,
+                changes = fold_lane_changes(
+                    self._entries_reached(lane, pendings),
+                    self._ranges_reached(lane, pendings),
                     [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
                     policy_for,
-                ):
-                    result.anomalies.append((pendings[index], why))
-                group, topic, partition = lane
-                for offset, entry in state.entries.items():
-                    key = (group, topic, partition, offset)
-                    before = loaded.get(offset)
-                    if entry is None:
-                        if before is not None:
-                            self._delete_entry(key)
-                            result.deleted += 1
-                    elif entry != before:
-                        db.entries[key] = entry  # the token too, as the SQL upsert writes it
-                        result.upserted += 1
-                        earliest = _earlier(earliest, entry.due_at_ms)
-                after = {r.key: r for r in state.ranges}
-                for key in set(before_ranges) - set(after):
+                )
+                result.anomalies += [(pendings[i], why) for i, why in changes.anomalies]
+                for _, entry in changes.entries_written:
+                    db.entries[entry.key] = entry  # the token too, as the SQL upsert writes it
+                for before in changes.entries_deleted:
+                    self._delete_entry(before.key)
+                for key in changes.ranges_deleted:
                     del db.ranges[lane][key]
-                    result.deleted += 1
-                for key, new in after.items():
-                    if before_ranges.get(key) != new:
-                        db.ranges[lane][key] = replace(new)
-                        result.upserted += 1
-                        earliest = _earlier(earliest, new.due_at_ms)
+                for tracked_range in changes.ranges_written:
+                    db.ranges[lane][tracked_range.key] = replace(tracked_range)
+                result.upserted += len(changes.entries_written) + len(changes.ranges_written)
+                result.deleted += len(changes.entries_deleted) + len(changes.ranges_deleted)
+                earliest = _earlier(earliest, changes.earliest_due_ms)
             result.earliest_due_ms = earliest
         return result
 
@@ -199,24 +186,20 @@ class InMemoryStore:
                 found.append(tracked_range)
         return found
 
-    def _load_lane(
-        self, lane: LaneKey, pendings: Sequence[PendingMarker], reached: list[TrackedRange]
-    ) -> tuple[LaneState, dict[int, Entry]]:
-        """The entries and ranges of ``lane`` that its markers can reach, and the entries as
-        they were (the fold changes the state in place: it gets copies of the ranges)."""
+    def _entries_reached(
+        self, lane: LaneKey, pendings: Sequence[PendingMarker]
+    ) -> dict[int, Entry]:
+        """The lane's entries that its markers can reach, by origin offset."""
         entries = self.database.entries
-        loaded: dict[int, Entry] = {}
+        found: dict[int, Entry] = {}
         for pending in pendings:
             first, last = touched(pending.marker)
-            offsets = (
-                range(first, last + 1) if isinstance(pending.marker, RangeMarker) else (first,)
-            )
-            for offset in offsets:
+            ranged = isinstance(pending.marker, RangeMarker)
+            for offset in range(first, last + 1) if ranged else (first,):
                 entry = entries.get((*lane, offset))
                 if entry is not None:
-                    loaded[offset] = entry
-        state = LaneState(dict(loaded), [replace(t) for t in reached])
-        return state, loaded
+                    found[offset] = entry
+        return found
 
     def _delete_entry(self, key: EntryKey) -> None:
         del self.database.entries[key]
