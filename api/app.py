@@ -24,7 +24,7 @@ from tracker.settings import TrackerSettings
 
 from .console import install_console
 from .context import ApiContext
-from .errors import CatchAllMiddleware, install_error_handlers
+from .http_errors import CatchAllMiddleware, install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from .routes import dlq, markers, messages, ops, redrive, topics
 

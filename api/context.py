@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.clock import Clock, to_millis
 from tracker.errors import ClientClosed
 from tracker.ids import MessageId

@@ -9,7 +9,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from . import security
 from .context import ApiContext
-from .errors import ApiError
+from .http_errors import ApiError
 from .security import Principal, bearer_scheme
 
 

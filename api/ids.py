@@ -20,7 +20,7 @@ from typing import Any
 from tracker.domain.entries import EntryKey
 from tracker.ids import is_valid_topic
 
-from .errors import ApiError
+from .http_errors import ApiError
 
 MAX_PARTITION = 2**31 - 1
 MAX_OFFSET = 2**63 - 1

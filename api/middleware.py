@@ -9,7 +9,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracker.metrics import Metrics
 
-from .errors import error_response
+from .http_errors import error_response
 
 
 class BodyLimitMiddleware:

@@ -20,7 +20,7 @@ from pydantic import SecretStr
 
 from tracker.settings import TrackerSettings
 
-from .errors import ApiError
+from .http_errors import ApiError
 
 #: The scheme, for the OpenAPI schema; auto_error off so that our errors have our format.
 bearer_scheme = HTTPBearer(

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from api.app import create_app, create_app_from_factory
 from api.context import ApiContext, Closer, close_all, kafka_reads
 from api.server import bind_http, serve
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.clock import Clock, SystemClock
 from tracker.engine.process import EventHook, Tracker
 from tracker.engine.redrive_runner import RedriveRunner

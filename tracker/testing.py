@@ -16,7 +16,7 @@ def _done() -> asyncio.Future[None]:
 
 
 class InMemoryMarkerSink:
-    """A :class:`tracker.client.markers.MarkerSink` that keeps markers in a list.
+    """A :class:`tracker.client.marker_sink.MarkerSink` that keeps markers in a list.
 
     Markers go through the real encoder and decoder, so an invalid one fails here as it would
     against Kafka. Set ``fail`` to make the next writes raise :class:`MarkerWriteFailed`.

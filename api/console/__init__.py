@@ -14,7 +14,7 @@ from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from . import forms, pages
-from .headers import ConsoleHeadersMiddleware
+from .security_headers import ConsoleHeadersMiddleware
 
 STATIC = Path(__file__).parent / "static"
 

@@ -20,7 +20,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import ValidationError
 
 from .. import models
-from ..errors import ApiError
+from ..http_errors import ApiError
 from ..ids import format_message_id, parse_message_id
 from ..routes import messages, redrive
 from ..security import identify

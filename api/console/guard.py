@@ -24,7 +24,7 @@ from tracker.store import StoreUnavailable
 
 from ..context import ApiContext
 from ..deps import get_context
-from ..errors import ApiError
+from ..http_errors import ApiError
 from ..security import Principal, Role
 from .render import render
 from .session import COOKIE, ConsoleSession, csrf_matches, read_session

@@ -14,7 +14,7 @@ from tracker.store.admin_reads import DeadLetterFilter
 
 from ..context import not_served
 from ..deps import Context, Cursor, Limit, Reader
-from ..errors import ApiError
+from ..http_errors import ApiError
 from ..ids import decode_cursor, encode_cursor, fingerprint
 from ..models import TEXT_PATTERN, TOPIC_PATTERN, DeadLetterDetail, DeadLetterPage
 from ..previews import payload_preview

@@ -20,7 +20,7 @@ from tracker.protocol import AnyMarker, Marker, MarkerKind, encode_any
 from tracker.protocol_v2 import RangeKind, RangeMarker
 
 from ..deps import Admin, Context
-from ..errors import ApiError
+from ..http_errors import ApiError
 from ..models import (
     MarkerBatch,
     MarkerBody,

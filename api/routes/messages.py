@@ -21,7 +21,7 @@ from tracker.store.inspection import EntryFilter, EntryOrder
 
 from ..context import ApiContext, not_served
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
-from ..errors import ApiError
+from ..http_errors import ApiError
 from ..ids import decode_cursor, encode_cursor, fingerprint, format_message_id, parse_message_id
 from ..models import (
     TEXT_PATTERN,

@@ -19,7 +19,7 @@ from tracker.store.redrive_jobs import RedriveSpec
 
 from .. import models
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
-from ..errors import ApiError
+from ..http_errors import ApiError
 from ..ids import decode_cursor, encode_cursor, fingerprint
 from ..views import job_view, position
 from . import READ_ERRORS, WRITE_ERRORS, errors

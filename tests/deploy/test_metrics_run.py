@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaProducer
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.ids import MessageId
 from tracker.metrics import Metrics
 from tracker.protocol import Marker

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from support.kafka_proxy import KafkaProxy
 
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
 from tracker.protocol import Marker

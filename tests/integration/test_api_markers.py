@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.ids import MessageId
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import AnyMarker, Marker, decode_marker

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import pytest
 from sqlalchemy import update
 
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.domain.entries import State
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition

@@ -17,7 +17,7 @@ import httpx
 import markupsafe
 import pytest
 
-from api.console.headers import CONTENT_SECURITY_POLICY
+from api.console.security_headers import CONTENT_SECURITY_POLICY
 from api.console.session import COOKIE
 from tracker.domain.entries import State
 

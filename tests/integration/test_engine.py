@@ -20,7 +20,7 @@ from support.counts import assert_counters_match
 
 from tracker import headers as h
 from tracker.client import KmqMessage, KmqProducer
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.domain.entries import State
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId

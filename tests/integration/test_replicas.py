@@ -23,7 +23,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from support.broker import TopicFactory, create_topics, delete_topics, unique_topic
 
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.engine.redeliver import TrackerEvent
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition

@@ -19,7 +19,7 @@ from aiokafka import AIOKafkaProducer
 from support.counts import assert_counters_match
 
 from api.app import create_app
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.domain.entries import State
 from tracker.engine.process import Tracker
 from tracker.headers import INVALID_CATEGORY, INVALID_REASON, INVALID_SOURCE

@@ -26,7 +26,7 @@ from support.broker import delete_topics
 from support.kafka_proxy import KafkaProxy
 from support.tracker_run import TrackerRun, broker_down, ready
 
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.ids import MessageId
 from tracker.protocol import Marker
 

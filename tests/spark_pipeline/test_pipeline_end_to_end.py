@@ -34,7 +34,7 @@ from pipeline.ledger_fold import LedgerParams
 from pipeline.report import build_report, write_report
 from pipeline.spark_session import CODE_DIR
 from tracker.client import KmqMessage, KmqProducer
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.headers import REDRIVE_RUN, REDRIVE_SOURCE
 from tracker.ids import MessageId
 from tracker.protocol import Marker

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ValidationError
 
 from api import models
-from api.errors import ApiError, _is_json, _item
+from api.http_errors import ApiError, _is_json, _item
 from api.ids import decode_cursor, encode_cursor, format_message_id, parse_message_id
 from api.previews import bytes_preview
 from api.rates import CounterRates

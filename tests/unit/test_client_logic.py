@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from support.records import RECORDS_AT, FakeRecord
 
-from tracker.client.markers import KafkaMarkerSink
+from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.client.message import KmqMessage, MessageContext
 from tracker.client.open_ranges import RangeBook
 from tracker.client.planning import Action, SeenCopies, plan_batch

@@ -2,7 +2,7 @@
 
 from .consumer import DEFAULT_MARKERS_TOPIC, KmqConsumer
 from .handlers import Handler, HandlerReturnedAwaitable, RejectMessage, RetryMessage
-from .markers import KafkaMarkerSink, MarkerSink
+from .marker_sink import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage
 from .ordering import Ordering
 from .producer import KmqProducer, resolve_deliver_at

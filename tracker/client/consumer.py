@@ -46,7 +46,7 @@ from tracker.kafka.clients import stop_consumer
 from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker, Marker
 
 from .handlers import Handler, HandlerCaller
-from .markers import KafkaMarkerSink, MarkerSink
+from .marker_sink import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage, MessageContext, messages_of
 from .open_ranges import OpenRange, RangeBook
 from .ordering import Ordering

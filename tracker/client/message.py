@@ -22,7 +22,7 @@ from tracker.protocol import (
     MarkerKind,
 )
 
-from .markers import MarkerSink
+from .marker_sink import MarkerSink
 from .open_ranges import ACKED, DIVERGED, OPEN, SENT, OpenRange, RangeBook
 from .planning import Run
 
