@@ -1,11 +1,11 @@
 """A tracker replica with its admin API on real uvicorn, in its own process (for RSS and HTTP).
 
-``python -m bench.tracker_proc SETTINGS_JSON PORT``: builds :class:`Tracker` from the JSON
-settings, serves ``api.app.create_app(engine_api_context(tracker))`` on ``PORT``, prints
+``python -m bench.tracker_proc SETTINGS_JSON PORT``: builds a tracker (``create_tracker``) from the
+JSON settings, serves ``api.app.create_app(engine_api_context(tracker))`` on ``PORT``, prints
 ``READY`` once the API answers and the tracker owns markers partitions, and runs until SIGTERM.
 
 ``python -m bench.tracker_proc SETTINGS_JSON PORT api``: the admin API alone, as
-``kmq-tracker api`` runs it (``api.app.create_standalone_app``: its own store and Kafka
+``kmq-tracker api`` runs it (``tracker.runtime.create_standalone_app``: its own store and Kafka
 clients, no engine), next to a replica on the same store; ``READY`` once it answers.
 """
 

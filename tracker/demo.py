@@ -204,15 +204,17 @@ def run_demo(duration: float | None = None, workdir: str | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # aiokafka logs each refused connection while the local broker starts: not news here.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    # A directory of our own (no --workdir) holds only the demo's SQLite file: removed at the
-    # end, so that demo runs do not pile up kmq-demo-* folders in the temp directory.
+    # A directory of our own (no --workdir) holds only the demo's SQLite file and the local
+    # broker's log: removed at the end, so that demo runs do not pile up kmq-demo-* folders in
+    # the temp directory.
     owned = workdir is None
     directory = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kmq-demo-"))
     directory.mkdir(parents=True, exist_ok=True)
     external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    broker = None if external else LocalBroker(log_dir=directory / "broker")
+    broker: LocalBroker | None = None
     try:
-        if broker is not None:
+        if not external:
+            broker = LocalBroker(log_dir=directory / "broker")
             print("starting a local broker (tansu) ...", flush=True)
             broker.start()
         bootstrap = external or (broker.bootstrap_servers if broker else "")

@@ -59,7 +59,7 @@ class KafkaNotReadyError(RuntimeError):
 def run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run ``factory()`` to completion on a private event loop in a worker thread.
 
-    Lets synchronous code (session fixtures, ``TansuBroker.start``) use asyncio clients without
+    Lets synchronous code (session fixtures, ``LocalBroker.start``) use asyncio clients without
     touching, or colliding with, whatever event loop the calling thread may be running.
     """
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:

@@ -8,8 +8,9 @@
 * :class:`RedriveService`: the redrive-job runner as the API drives it (wake it when a job is
   created; run it when the API serves alone).
 
-The store's port is ``tracker.store.Store`` (one adapter over SQLAlchemy for SQLite and
-PostgreSQL); the engine's own internal signals are in ``tracker.engine.signals``.
+The store's port is ``tracker.store.port.TrackerStore`` (adapters: the SQL store over
+SQLite and PostgreSQL, and the in-memory store); the engine's own internal signals are in
+``tracker.engine.signals``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The API inside the tracker process (``ApiContext.from_tracker``), against the real engine.
+"""The API inside the tracker process (``engine_api_context``), against the real engine.
 
 Markers written through the sidecar endpoint are ingested; "redeliver now" and "dead-letter
 now" make the engine act at once; a dead letter is redriven back to its topic.

@@ -5,7 +5,8 @@ can run ingest and redelivery against it without a database). It keeps the same 
 SQL store, and the contract suite (``tests/contract/test_store_contract.py``) holds both to
 them: each call is atomic, epochs fence replicas, markers fold with the same domain function
 (:func:`tracker.domain.ranges.fold_lane_changes`), claims push entries to the lease and hand
-back what they were, a round's record only touches what its token still holds.
+back what they were, a round's record only changes the entries its token still holds (its
+dead letters are recorded whatever: their DLQ records were produced).
 
 Several :class:`InMemoryStore` objects on one :class:`MemoryDatabase` are several replicas on
 one database. Nothing is persisted; there is no counter table and no admin side (the admin
@@ -148,17 +149,26 @@ class InMemoryStore:
             fenced = self._fenced(markers_topic, {p: pr.epoch for p, pr in progress.items()})
             if fenced:
                 raise Fenced(fenced)
+            # Every lane is folded before anything is written: a fold that fails (a policy
+            # lookup that raises) leaves the database as it was, as a rolled-back transaction.
+            folded = [
+                (
+                    lane,
+                    pendings,
+                    fold_lane_changes(
+                        self._entries_reached(lane, pendings),
+                        self._ranges_reached(lane, pendings),
+                        [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
+                        policy_for,
+                    ),
+                )
+                for lane, pendings in lanes.items()
+            ]
             for partition, pr in progress.items():
                 row = db.partitions[(markers_topic, partition)]
                 row.next_offset, row.updated_ms = pr.next_offset, now_ms
             earliest: int | None = None
-            for lane, pendings in lanes.items():
-                changes = fold_lane_changes(
-                    self._entries_reached(lane, pendings),
-                    self._ranges_reached(lane, pendings),
-                    [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
-                    policy_for,
-                )
+            for lane, pendings, changes in folded:
                 result.anomalies += [(pendings[i], why) for i, why in changes.anomalies]
                 for _, entry in changes.entries_written:
                     db.entries[entry.key] = entry  # the token too, as the SQL upsert writes it

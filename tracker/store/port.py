@@ -133,8 +133,10 @@ class TrackerStore(Protocol):
         token: str,
     ) -> tuple[list[Entry], set[int]]:
         """Claim up to ``limit`` entries due by ``due_by[partition]`` (earliest first), each
-        pushed to ``now_ms + lease_ms``; expired tracked ranges become entries first. Returns
-        the claimed entries (as they were, with ``token``) and the partitions fenced."""
+        pushed to ``now_ms + lease_ms``; due tracked ranges become entries first (in due
+        order, about ``limit`` offsets of them; which of equally due ranges is the store's
+        choice). Returns the claimed entries (as they were, with ``token``) and the
+        partitions fenced."""
         ...
 
     async def finish_redelivery(
@@ -149,7 +151,9 @@ class TrackerStore(Protocol):
         retry: Sequence[tuple[EntryKey, int]],
         now_ms: int,
     ) -> None:
-        """Record a round's outcome for the entries still claimed with ``token``."""
+        """Record a round's outcome: ``done`` and dead-lettered entries go, ``lost`` ones are
+        kept as lost, ``retry`` ones are due again then, each only if still claimed with
+        ``token``; every dead letter is recorded (its DLQ record was produced)."""
         ...
 
     async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
