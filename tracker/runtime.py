@@ -37,7 +37,7 @@ from tracker.metrics import Metrics
 from tracker.settings import TrackerSettings, load_settings
 from tracker.store import Store
 from tracker.store.migrate import check_schema, upgrade
-from tracker.store.redrive_jobs import RedriveJobStore
+from tracker.store.redrive_leases import RedriveLeaseStore
 
 
 def create_tracker(
@@ -147,7 +147,7 @@ async def standalone_api_context(
     metrics = metrics or Metrics()
     clock = clock or SystemClock()
     redrive = RedriveRunner(
-        jobs=RedriveJobStore(store, settings.markers_topic),
+        jobs=RedriveLeaseStore(store, settings.markers_topic),
         producer=producer,
         originals=originals,
         scanner=scanner,

@@ -21,6 +21,7 @@ from tracker.engine.process import Tracker
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.headers import REDRIVE_JOB
 from tracker.runtime import create_tracker, engine_api_context
+from tracker.store.redrive_leases import RedriveLeaseStore
 
 from .api_support import bearer, client_for
 from .engine_support import TopicWatcher, eventually, tracker_settings
@@ -146,7 +147,7 @@ async def test_the_api_drives_the_engine(
                 await client.post("/v1/redrive-jobs", json={"ids": [dead["id"]], "rate": 10})
             ).json()
             runner = RedriveRunner(
-                jobs=context.jobs,
+                jobs=RedriveLeaseStore(context.store, context.settings.markers_topic),
                 producer=context.producer,
                 originals=tracker.originals,
                 scanner=context.scanner,

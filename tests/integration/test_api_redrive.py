@@ -14,7 +14,7 @@ from support.broker import unique_topic
 
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.headers import REDRIVE_ITEM, REDRIVE_JOB
-from tracker.store.redrive_jobs import ProducedItem
+from tracker.store.redrive_leases import ProducedItem, RedriveLeaseStore
 from tracker.store.tables import dead_letters
 
 from .api_support import T0, ApiEnv, api_env, produce
@@ -38,7 +38,7 @@ def runner(env: ApiEnv, owner: str, **kw: Any) -> RedriveRunner:
     kw.setdefault("lease_seconds", 2.0)
     kw.setdefault("poll_interval", 0.05)
     return RedriveRunner(
-        jobs=env.context.jobs,
+        jobs=RedriveLeaseStore(env.context.store, env.context.settings.markers_topic),
         producer=env.context.producer,
         originals=env.context.originals,
         scanner=env.context.scanner,

@@ -37,7 +37,7 @@ from tracker.ports import EngineHealth
 from tracker.settings import TrackerSettings
 from tracker.store import Store, StoreUnavailable
 from tracker.store.migrate import check_schema, database_errors, upgrade
-from tracker.store.redrive_jobs import RedriveJobStore
+from tracker.store.redrive_leases import RedriveLeaseStore
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Tracker:
         )
         self.scanner = PartitionScanner(bootstrap, client_config=self._client_config)
         self.redrive = RedriveRunner(
-            jobs=RedriveJobStore(self.store, settings.markers_topic),
+            jobs=RedriveLeaseStore(self.store, settings.markers_topic),
             producer=self._producer,
             originals=self.originals,
             scanner=self.scanner,

@@ -56,7 +56,8 @@ from tracker.ports import OriginalsSource
 from tracker.ratelimit import TokenBucket
 from tracker.store import StoreUnavailable
 from tracker.store.errors import LeaseLost
-from tracker.store.redrive_jobs import ProducedItem, RedriveJobRecord, RedriveJobStore, RedriveWork
+from tracker.store.redrive_jobs import RedriveJobRecord
+from tracker.store.redrive_leases import ProducedItem, RedriveLeaseStore, RedriveWork
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class RedriveRunner:
     def __init__(
         self,
         *,
-        jobs: RedriveJobStore,
+        jobs: RedriveLeaseStore,
         producer: Any,
         originals: OriginalsSource,
         scanner: PartitionScanner,
