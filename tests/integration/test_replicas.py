@@ -53,8 +53,13 @@ class Replica:
             tracker_settings(**settings_kw, replica_id=name), on_event=self._event
         )
         self.owned_history: list[tuple[int, int]] = []  #: (partition, epoch) as first seen
+        #: With ``hold_after`` copies made, the replica's redelivery waits for ``released``
+        #: (its round is recorded; the next rounds wait for it): a test can then make
+        #: something happen in the middle of a burst, whatever the machine's speed.
+        self.hold_after: int | None = None
+        self.released = asyncio.Event()
 
-    def _event(self, event: TrackerEvent) -> None:
+    async def _event(self, event: TrackerEvent) -> None:
         entry = event.entry
         origin = MessageId(entry.origin_topic, entry.origin_partition, entry.origin_offset)
         if event.kind == "redelivered" and not entry.deferred:
@@ -62,6 +67,9 @@ class Replica:
             self.redelivered_from.append(entry.markers_partition)
         else:
             self.other_events.append(event)
+        if self.hold_after is not None and len(self.redelivered) >= self.hold_after:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.released.wait(), HOLD_AT_MOST_S)
 
     def owned(self) -> dict[int, int]:
         return self.tracker.ingest.owned_epochs()
@@ -323,6 +331,7 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
 
 BURST = 4_000  #: messages whose leases run out together
 BURST_LEASE_MS = 6_000
+HOLD_AT_MOST_S = 60.0  #: a held replica goes on by itself after this (a test that failed)
 
 
 async def _fill_queue(bootstrap: str, topic: str, per_partition: int) -> list[MessageId]:
@@ -374,11 +383,17 @@ async def test_two_replicas_share_a_burst_without_double_redelivery(
             await KafkaMarkerSink(producer, markers).send_all(
                 [Marker.start(group, p, timeout_ms=BURST_LEASE_MS) for p in positions]
             )
-        # B joins once A is republishing: the rebalance lands in the middle of the burst.
+        # B joins once A is republishing: the rebalance lands in the middle of the burst. A
+        # holds after its first 100 copies until B owns partitions (a rebalance takes longer
+        # than A needs for the whole burst on a fast machine), its rounds in flight waiting.
+        a.hold_after = 100
+        stack.callback(a.released.set)
         await eventually(lambda: len(a.redelivered) >= 100, within=60, what="A's first copies")
         at_join = len(a.redelivered)
         await b.tracker.start()
         stack.push_async_callback(b.tracker.close)
+        await eventually(lambda: len(b.owned()) > 0, within=60, what="B owns partitions")
+        a.released.set()
 
         def copied() -> Counter[MessageId]:
             return Counter(
