@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import delete, select
-from support.counts import assert_counters_match
+from sqlalchemy import select
 from support.range_model import check_store_against_model, markers_strategy, steps_with_times
+from support.sql_stores import empty_sql_store
 from support.store_steps import (
     FIXED_TOPIC,
     GROUP,
@@ -41,7 +41,6 @@ from tracker.protocol import AnyMarker, Marker
 from tracker.store.errors import Fenced
 from tracker.store.manager import Store
 from tracker.store.memory import InMemoryStore
-from tracker.store.migrate import upgrade
 from tracker.store.port import (
     Claim,
     DeadLetterRecord,
@@ -50,22 +49,12 @@ from tracker.store.port import (
     TrackerStore,
 )
 from tracker.store.tables import (
-    dead_letters,
     partitions_table,
-    ranges_table,
-    tracked,
-    tracked_counts,
 )
 
 pytestmark = [pytest.mark.integration]
 
 BACKENDS = ["memory", "sqlite", "postgres"]
-
-
-async def _reset(store: Store) -> None:
-    async with store.engine.begin() as conn:
-        for table in (tracked, ranges_table, tracked_counts, partitions_table, dead_letters):
-            await conn.execute(delete(table))
 
 
 @pytest.fixture(params=BACKENDS, ids=BACKENDS)
@@ -83,14 +72,8 @@ async def store(backend: str) -> AsyncIterator[TrackerStore]:
     if backend == "memory":
         yield InMemoryStore()
         return
-    sql = Store.from_url(backend)
-    try:
-        await upgrade(sql.engine)
-        await _reset(sql)
+    async with empty_sql_store(backend) as sql:
         yield sql
-        await assert_counters_match(sql.engine)
-    finally:
-        await sql.close()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import delete
 from support.counts import assert_counters_match
 from support.databases import PostgresTestDatabase
 from support.range_model import (
@@ -28,6 +27,7 @@ from support.range_model import (
     policy,
     steps_with_times,
 )
+from support.sql_stores import reset_engine_tables
 
 from tracker.domain.actions import ActionKind, ActionOutcome, ActionRequest
 from tracker.domain.entries import Entry, State
@@ -39,7 +39,6 @@ from tracker.store.manager import Store
 from tracker.store.migrate import upgrade
 from tracker.store.operator_actions import OperatorActions
 from tracker.store.port import PartitionProgress, PendingMarker
-from tracker.store.tables import partitions_table, ranges_table, tracked, tracked_counts
 
 pytestmark = [pytest.mark.integration]
 
@@ -49,9 +48,7 @@ MARKERS = "kmq-markers"
 async def _fresh(url: str) -> Store:
     store = Store.from_url(url)
     await upgrade(store.engine)
-    async with store.engine.begin() as conn:
-        for table in (tracked, ranges_table, tracked_counts, partitions_table):
-            await conn.execute(delete(table))
+    await reset_engine_tables(store)
     return store
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import delete, select
-from support.counts import assert_counters_match, counters_and_recount
+from support.counts import counters_and_recount
 from support.databases import sqlite_url
+from support.sql_stores import empty_sql_store
 from support.store_steps import (
     GROUP,
     MARKERS,
@@ -42,9 +43,6 @@ from tracker.store.port import (
 )
 from tracker.store.tables import (
     KEY_COLUMNS,
-    dead_letters,
-    partitions_table,
-    ranges_table,
     tracked,
     tracked_counts,
 )
@@ -52,22 +50,10 @@ from tracker.store.tables import (
 pytestmark = [pytest.mark.integration]
 
 
-async def _reset(store: Store) -> None:
-    async with store.engine.begin() as conn:
-        for table in (tracked, ranges_table, tracked_counts, partitions_table, dead_letters):
-            await conn.execute(delete(table))
-
-
 @pytest.fixture
 async def store(database_url: str) -> AsyncIterator[Store]:
-    store = Store.from_url(database_url)
-    try:
-        await upgrade(store.engine)
-        await _reset(store)
+    async with empty_sql_store(database_url) as store:
         yield store
-        await assert_counters_match(store.engine)
-    finally:
-        await store.close()
 
 
 @pytest.fixture
