@@ -11,9 +11,9 @@ every public method is one transaction, and driver errors come out as ``StoreUna
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Select,
@@ -31,6 +31,8 @@ from tracker.domain.entries import Entry, EntryKey
 from .manager import Store
 from .models import EntryAction, RedriveItem, RedriveJob
 from .tables import ENTRY_COLUMN_NAMES, KEY_COLUMNS, dead_letters, entry_from_values, tracked
+
+T = TypeVar("T")
 
 actions_table: Table = EntryAction.__table__  # type: ignore[assignment]
 jobs_table: Table = RedriveJob.__table__  # type: ignore[assignment]
@@ -109,6 +111,25 @@ class AdminQueries:
     ) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
         """The store's transaction; unique-key races (idempotency keys) reach the callers."""
         return self.store.transaction(read_only=read_only, passthrough=(IntegrityError,))
+
+    async def _once(
+        self,
+        idempotency_key: str | None,
+        write: Callable[[], Awaitable[T]],
+        replay: Callable[[AsyncConnection], Awaitable[T | None]],
+    ) -> T:
+        """``write()``; when a request with the same idempotency key raced it and won (the
+        unique index refused this one), the winner's recorded answer, read by ``replay``."""
+        try:
+            return await write()
+        except IntegrityError:
+            if idempotency_key is None:
+                raise
+            async with self._transaction() as conn:
+                found = await replay(conn)
+            if found is None:  # pragma: no cover - the unique index says it exists
+                raise
+            return found
 
     async def _entry_view_at(self, conn: AsyncConnection, key: EntryKey) -> EntryView | None:
         """The entry of ``key``: its own row, or what the tracked range holding it stands for."""

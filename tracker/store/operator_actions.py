@@ -21,7 +21,6 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.actions import (
@@ -93,17 +92,11 @@ class OperatorActions(AdminQueries):
         :class:`IdempotencyConflict` when it was another. Every answer is recorded (including
         refusals) so the audit trail shows who asked for what.
         """
-        try:
-            return await self._apply_action(request, now_ms)
-        except IntegrityError:
-            # The same idempotency key raced us and won: answer from its row.
-            if request.idempotency_key is None:
-                raise
-            async with self._transaction() as conn:
-                replay = await self._idempotent_action(conn, request)
-            if replay is None:  # pragma: no cover - the unique index says it exists
-                raise
-            return replay
+        return await self._once(
+            request.idempotency_key,
+            lambda: self._apply_action(request, now_ms),
+            lambda conn: self._idempotent_action(conn, request),
+        )
 
     async def _idempotent_action(
         self, conn: AsyncConnection, request: ActionRequest

@@ -26,7 +26,6 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.jobs import ItemState, JobState
@@ -144,16 +143,11 @@ class RedriveJobStore(AdminQueries):
         Raises :class:`UnknownDeadLetters` for explicit ids that do not exist and
         :class:`IdempotencyConflict` for a reused idempotency key with another request.
         """
-        try:
-            return await self._create_redrive_job(spec, now_ms)
-        except IntegrityError:
-            if spec.idempotency_key is None:
-                raise
-            async with self._transaction() as conn:
-                replay = await self._idempotent_job(conn, spec)
-            if replay is None:  # pragma: no cover - the unique index says it exists
-                raise
-            return replay
+        return await self._once(
+            spec.idempotency_key,
+            lambda: self._create_redrive_job(spec, now_ms),
+            lambda conn: self._idempotent_job(conn, spec),
+        )
 
     async def _idempotent_job(
         self, conn: AsyncConnection, spec: RedriveSpec
