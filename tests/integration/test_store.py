@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -33,14 +34,18 @@ from support.store_steps import (
     start,
 )
 
+from tracker.domain.actions import ActionKind, ActionRequest
 from tracker.protocol import Marker
+from tracker.store.admin_reads import DeadLetterFilter
 from tracker.store.dialects import keys_in
 from tracker.store.inspection import EntryFilter, InspectionQueries
 from tracker.store.manager import Store
 from tracker.store.migrate import upgrade
+from tracker.store.operator_actions import OperatorActions
 from tracker.store.port import (
     DeadLetterRecord,
 )
+from tracker.store.redrive_jobs import RedriveJobStore, RedriveSpec
 from tracker.store.tables import (
     KEY_COLUMNS,
     tracked,
@@ -227,3 +232,22 @@ async def test_taking_partitions_over_recounts_their_counters(store: Store) -> N
     kept, recount = await counters_and_recount(store.engine)
     assert kept == recount
     assert kept[0] == {(0, TOPIC, "in_flight"): 2, (1, "audit", "in_flight"): 1}
+
+
+async def test_requests_racing_with_one_idempotency_key_get_one_answer(store: Store) -> None:
+    """Concurrent requests with the same Idempotency-Key: one is carried out, the others get
+    its recorded answer. On PostgreSQL the losers' inserts hit the unique index and replay
+    the winner's row; on SQLite the writers queue and find it first."""
+    actions, jobs = OperatorActions(store, MARKERS), RedriveJobStore(store, MARKERS)
+    token = f"race-{uuid.uuid4().hex}"
+    ack = ActionRequest(key(1), ActionKind.ACK, "ops", idempotency_key=token)
+    records = await asyncio.gather(*(actions.apply_action(ack, T0) for _ in range(5)))
+    assert len({r.id for r in records}) == 1
+    assert sorted(r.replayed for r in records) == [False, True, True, True, True]
+
+    spec = RedriveSpec(
+        DeadLetterFilter(topic=TOPIC), None, 10.0, False, "ops", idempotency_key=token
+    )
+    created = await asyncio.gather(*(jobs.create_redrive_job(spec, T0) for _ in range(5)))
+    assert len({j.id for j in created}) == 1
+    assert sorted(j.replayed for j in created) == [False, True, True, True, True]
