@@ -1,11 +1,11 @@
 """The composition root: the one place that builds the engine and the API and joins them.
 
-Everything else receives its parts: the engine (``tracker.engine.process.Tracker``) builds its
-own store and Kafka clients from the settings but knows nothing of the API; the API
+Everything else receives its parts: the engine (``tracker.engine.process.Tracker``) runs on
+the store and Kafka clients built here and knows nothing of the API; the API
 (``api.context.ApiContext``) speaks to the engine only through ``tracker.ports``. Here:
 
-* :func:`create_tracker`: a tracker replica, serving the API beside its engine when
-  ``api_enabled`` (what ``kmq-tracker run`` starts);
+* :func:`create_tracker`: a tracker replica on the connections of :func:`engine_connections`,
+  serving the API beside its engine when ``api_enabled`` (what ``kmq-tracker run`` starts);
 * :func:`engine_api_context`: the API's context for a tracker's engine, sharing its store,
   producer, originals reader, clock and metrics;
 * :func:`standalone_api_context`, :func:`create_standalone_app` and :func:`serve_standalone`:
@@ -20,7 +20,7 @@ import socket
 from collections.abc import Coroutine
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from fastapi import FastAPI
 
 from api.app import create_app, create_app_from_factory
@@ -28,6 +28,7 @@ from api.context import ApiContext, Closer, close_all, kafka_reads
 from api.server import bind_http, serve
 from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.clock import Clock, SystemClock
+from tracker.engine.connections import EngineConnections, markers_fetch_options
 from tracker.engine.process import EventHook, Tracker
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.kafka.client_security import kafka_client_options
@@ -49,7 +50,42 @@ def create_tracker(
 ) -> Tracker:
     """One tracker replica; with ``api_enabled``, the API is served from the same process."""
     services = [ApiService(settings)] if settings.api_enabled else []
-    return Tracker(settings, clock=clock, metrics=metrics, on_event=on_event, services=services)
+    return Tracker(
+        settings,
+        engine_connections(settings),
+        clock=clock,
+        metrics=metrics,
+        on_event=on_event,
+        services=services,
+    )
+
+
+def engine_connections(settings: TrackerSettings) -> EngineConnections:
+    """The store and Kafka clients of one replica, not yet started (the tracker starts them)."""
+    config = kafka_client_options(settings)
+    bootstrap = settings.kafka_bootstrap_servers
+    return EngineConnections(
+        store=Store.from_url(settings.database_url),
+        markers_consumer=AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=settings.tracker_group,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            client_id=f"kmq-tracker-{settings.replica_id}",
+            **markers_fetch_options(settings, config),
+        ),
+        producer=_producer(settings, config),
+        originals=OriginalsReader(bootstrap, client_config=config),
+        scanner=PartitionScanner(bootstrap, client_config=config),
+    )
+
+
+def _producer(settings: TrackerSettings, config: dict[str, Any]) -> AIOKafkaProducer:
+    """The producer of copies, dead letters and markers: ``acks=all``, as the KMQ invariant
+    needs, with a short linger so that a round's copies go out in few requests."""
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.kafka_bootstrap_servers, acks="all", linger_ms=2, **config
+    )
 
 
 class ApiService:
@@ -129,9 +165,7 @@ async def standalone_api_context(
             await upgrade(store.engine)
         await check_schema(store.engine)
         config = kafka_client_options(settings)
-        producer = AIOKafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap_servers, acks="all", linger_ms=2, **config
-        )
+        producer = _producer(settings, config)
         await producer.start()
         closers.append(producer.stop)
         originals = OriginalsReader(settings.kafka_bootstrap_servers, client_config=config)

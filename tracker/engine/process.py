@@ -1,10 +1,11 @@
-"""The tracker's engine: builds its parts from the settings and runs them until stopped.
+"""The tracker's engine: one replica's loops, run on the connections it is given until stopped.
 
-``Tracker`` is the engine's factory and supervisor: it owns the store, the Kafka clients and
-the side tasks (ingest, redelivery, payload keeper, redrive jobs), each a named task driven by
-one stop event, and runs the services it is given beside them (the API, which
-``tracker.runtime.create_tracker`` hands over: the engine never imports it). Ingest reaches
-the other loops through ``tracker.engine.signals`` (:class:`EngineWakeups`).
+``Tracker`` is the engine's supervisor. The composition root (``tracker.runtime``) builds its
+store and Kafka clients (:class:`~tracker.engine.connections.EngineConnections`) and the
+services that run beside it (the API: the engine never imports it); the tracker builds its
+loops on them (ingest, redelivery, payload keeper, redrive jobs), each a named task driven by
+one stop event, starts and closes the connections, and runs the services. Ingest reaches the
+other loops through ``tracker.engine.signals`` (:class:`EngineWakeups`).
 ``await tracker.run()`` runs until :meth:`Tracker.stop` (SIGTERM in ``kmq-tracker run``); on
 the way out it finishes the current batch, applies what it read, commits and closes.
 """
@@ -17,25 +18,21 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-
 from tracker.clock import Clock, SystemClock
+from tracker.engine.connections import EngineConnections, markers_poll_wait
 from tracker.engine.ingest import MarkerIngest
 from tracker.engine.parking import InvalidMarkerParker
 from tracker.engine.payloads import PayloadKeeper
 from tracker.engine.redeliver import Redeliverer, TrackerEvent
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.engine.topic_catalog import TopicCatalog
-from tracker.errors import KmqError
+from tracker.engine.topic_setup import OutputTopics, prepare_tracker_topics
 from tracker.kafka.client_security import kafka_client_options
 from tracker.kafka.clients import stop_consumer
-from tracker.kafka.originals import OriginalsReader
-from tracker.kafka.scan import PartitionScanner
-from tracker.kafka.topic_admin import ensure_topic, topic_timestamp_type
 from tracker.metrics import Metrics
 from tracker.ports import EngineHealth
 from tracker.settings import TrackerSettings
-from tracker.store import Store, StoreUnavailable
+from tracker.store import StoreUnavailable
 from tracker.store.migrate import check_schema, database_errors, upgrade
 from tracker.store.redrive_leases import RedriveLeaseStore
 
@@ -93,25 +90,13 @@ class EngineWakeups:
         self._tracker.warn_if_sqlite_shared()
 
 
-#: The markers consumer's fetch settings unless ``kafka_consumer_config`` says otherwise. The
-#: tracker may only act on a deadline once it has read every marker written before it, and it
-#: learns how far the log went from fetch responses: a broker that answers a long poll only
-#: when ``fetch_max_wait_ms`` runs out (the test broker does, mid-wait data or not) would hold
-#: that knowledge back by up to the wait, and on any broker an idle markers topic tells that
-#: nothing new was written only when the wait runs out. 100 ms bounds it; an idle tracker
-#: then sends ten small fetch requests a second per broker, which no broker notices. (25 ms
-#: cut the horizon's lag at p95 from ~130 to ~45 ms in the lateness bench, but on the test
-#: broker a START and its SETTLE then came in separate responses and were flushed apart
-#: instead of cancelling out: see docs/benchmarks.md.)
-MARKERS_FETCH: dict[str, Any] = {"fetch_max_wait_ms": 100}
-
-
 class Tracker:
     """One tracker replica."""
 
     def __init__(
         self,
         settings: TrackerSettings,
+        connections: EngineConnections,
         *,
         clock: Clock | None = None,
         metrics: Metrics | None = None,
@@ -122,24 +107,13 @@ class Tracker:
         self._services = list(services)
         self.clock: Clock = clock or SystemClock()
         self.metrics = metrics or Metrics()
-        self.store = Store.from_url(settings.database_url)
-        self._on_event = on_event
+        self.store = connections.store
+        self._consumer = connections.markers_consumer
+        self._producer = connections.producer
+        self.originals = connections.originals
+        self.scanner = connections.scanner
         self._client_config: dict[str, Any] = kafka_client_options(settings)
-        bootstrap = settings.kafka_bootstrap_servers
         self.catalog = TopicCatalog(settings, client_config=self._client_config)
-        markers_fetch = {**MARKERS_FETCH, **self._client_config, **settings.kafka_consumer_config}
-        self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap,
-            group_id=settings.tracker_group,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            client_id=f"kmq-tracker-{settings.replica_id}",
-            **markers_fetch,
-        )
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap, acks="all", linger_ms=2, **self._client_config
-        )
-        self.originals = OriginalsReader(bootstrap, client_config=self._client_config)
         self.ingest = MarkerIngest(
             consumer=self._consumer,
             store=self.store,
@@ -157,8 +131,10 @@ class Tracker:
             max_pending=settings.max_pending_markers,
             check_marker=self.catalog,
             listener=EngineWakeups(self),
-            # A poll waits no longer than a fetch does: the horizon moves with each answer.
-            poll_wait=max(0.01, int(markers_fetch.get("fetch_max_wait_ms", 500)) / 1000),
+            poll_wait=markers_poll_wait(settings, self._client_config),
+        )
+        self.output_topics = OutputTopics(
+            settings, scanner=self.scanner, metrics=self.metrics, client_config=self._client_config
         )
         self.redeliverer = Redeliverer(
             store=self.store,
@@ -173,9 +149,8 @@ class Tracker:
             claim_lease_ms=int(settings.claim_lease.total_seconds() * 1000),
             max_idle=settings.max_idle_sleep.total_seconds(),
             on_event=on_event,
-            ensure_topic=self._ensure_output_topic,
+            ensure_topic=self.output_topics.ensure,
         )
-        self._ensured: set[str] = set()
         self.payloads = PayloadKeeper(
             store=self.store,
             originals=self.originals,
@@ -183,7 +158,6 @@ class Tracker:
             clock=self.clock,
             metrics=self.metrics,
         )
-        self.scanner = PartitionScanner(bootstrap, client_config=self._client_config)
         self.redrive = RedriveRunner(
             jobs=RedriveLeaseStore(self.store, settings.markers_topic),
             producer=self._producer,
@@ -218,67 +192,6 @@ class Tracker:
                 len(total),
             )
 
-    async def _ensure_output_topic(self, topic: str, like: str) -> None:
-        """Before the first write to a DLQ or retry topic: as many partitions as ``like``?
-
-        Creates the topic (``create_topics``) with the partition count of ``like``, the topic
-        whose messages it receives, so that per-partition order and parallelism survive a
-        redrive; an existing topic with fewer partitions is reported (a warning and
-        ``kmq_output_topic_partitions_missing``), not changed. Partition counts are asked of
-        the cluster (all-topics metadata, through the tracker's partition scanner): no client
-        of the tracker subscribes to queue topics, and on Apache Kafka a consumer's metadata
-        holds only the topics it subscribed to.
-        """
-        if topic in self._ensured:
-            return
-        try:
-            # One all-topics metadata request (it creates nothing) answers for both.
-            counts = await self.scanner.partition_counts([like, topic])
-        except KmqError as exc:
-            if self.settings.create_topics:
-                raise  # the copy waits: it must not go to a topic auto-created with 1 partition
-            # Only a check when the tracker creates nothing (a locked-down cluster may not
-            # allow it): never a reason to hold a dead letter back.
-            log.warning("cannot check the partitions of %r (%s); writing to it anyway", topic, exc)
-            self._ensured.add(topic)
-            return
-        wanted, existing = counts[like] or 1, counts[topic]
-        if existing is None and self.settings.create_topics:
-            created = await ensure_topic(
-                self.settings.kafka_bootstrap_servers,
-                topic,
-                partitions=wanted,
-                replication_factor=self.settings.markers_replication_factor,
-                configs=self.settings.output_topic_configs,
-                client_config=self._client_config,
-            )
-            # Created: ensure_topic returned once all of them had a leader. Not created:
-            # another replica did it a moment ago, with a count of its own.
-            existing = wanted if created else (await self.scanner.partition_counts([topic]))[topic]
-        if existing is None:
-            log.warning(
-                "topic %r does not exist (create_topics is off): writing to it relies on the "
-                "broker's auto-creation (num.partitions), not %d partitions like %r",
-                topic,
-                wanted,
-                like,
-            )
-        elif existing < wanted:
-            log.warning(
-                "topic %r has %d partitions, fewer than the %d of %r whose messages it "
-                "receives: its records lose their partition order and parallelism; add "
-                "partitions (kafka-topics.sh --alter --topic %s --partitions %d)",
-                topic,
-                existing,
-                wanted,
-                like,
-                topic,
-                wanted,
-            )
-        missing = 0 if existing is None else max(0, wanted - existing)
-        self.metrics.output_topic_partitions_missing.labels(topic, like).set(missing)
-        self._ensured.add(topic)
-
     # -- lifecycle --------------------------------------------------------------------------
 
     async def prepare(self) -> None:
@@ -287,33 +200,7 @@ class Tracker:
             if self.settings.migrate_on_start:
                 await upgrade(self.store.engine)
             await check_schema(self.store.engine)
-        if self.settings.create_topics:
-            await ensure_topic(
-                self.settings.kafka_bootstrap_servers,
-                self.settings.markers_topic,
-                partitions=self.settings.markers_partitions,
-                replication_factor=self.settings.markers_replication_factor,
-                configs={"message.timestamp.type": "LogAppendTime"},
-                client_config=self._client_config,
-            )
-            await ensure_topic(
-                self.settings.kafka_bootstrap_servers,
-                self.settings.invalid_topic,
-                partitions=1,
-                replication_factor=self.settings.markers_replication_factor,
-                client_config=self._client_config,
-            )
-        kind = await topic_timestamp_type(
-            self.settings.kafka_bootstrap_servers,
-            self.settings.markers_topic,
-            client_config=self._client_config,
-        )
-        if kind == "CreateTime":
-            log.warning(
-                "markers topic %r uses CreateTime: deadlines follow the consumers' clocks; "
-                "set message.timestamp.type=LogAppendTime (see docs/protocol.md, Time)",
-                self.settings.markers_topic,
-            )
+        await prepare_tracker_topics(self.settings, self._client_config)
 
     async def start(self) -> None:
         """Connect everything and start the side tasks (returns once they run)."""

@@ -1,0 +1,62 @@
+"""The store and Kafka clients one tracker replica runs on.
+
+The composition root (``tracker.runtime.engine_connections``) builds them from the settings
+and hands them to the :class:`~tracker.engine.process.Tracker`, which from then on owns them:
+it starts them in order, shares them among its loops (and with the API it serves) and closes
+them on the way out. Building them elsewhere than in the engine is what lets a test or an
+embedding application give a replica clients of its own making.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from tracker.kafka.originals import OriginalsReader
+from tracker.kafka.scan import PartitionScanner
+from tracker.settings import TrackerSettings
+from tracker.store import Store
+
+#: The markers consumer's fetch settings unless ``kafka_consumer_config`` says otherwise. The
+#: tracker may only act on a deadline once it has read every marker written before it, and it
+#: learns how far the log went from fetch responses: a broker that answers a long poll only
+#: when ``fetch_max_wait_ms`` runs out (the test broker does, mid-wait data or not) would hold
+#: that knowledge back by up to the wait, and on any broker an idle markers topic tells that
+#: nothing new was written only when the wait runs out. 100 ms bounds it; an idle tracker
+#: then sends ten small fetch requests a second per broker, which no broker notices. (25 ms
+#: cut the horizon's lag at p95 from ~130 to ~45 ms in the lateness bench, but on the test
+#: broker a START and its SETTLE then came in separate responses and were flushed apart
+#: instead of cancelling out: see docs/benchmarks.md.)
+MARKERS_FETCH: dict[str, Any] = {"fetch_max_wait_ms": 100}
+
+
+def markers_fetch_options(
+    settings: TrackerSettings, client_config: dict[str, Any]
+) -> dict[str, Any]:
+    """The markers consumer's options: :data:`MARKERS_FETCH`, the client's security options,
+    then the operator's ``kafka_consumer_config`` over both."""
+    return {**MARKERS_FETCH, **client_config, **settings.kafka_consumer_config}
+
+
+def markers_poll_wait(settings: TrackerSettings, client_config: dict[str, Any]) -> float:
+    """How long one poll of the markers waits: no longer than a fetch does (the horizon
+    moves with each answer)."""
+    wait_ms = markers_fetch_options(settings, client_config).get("fetch_max_wait_ms", 500)
+    return max(0.01, int(wait_ms) / 1000)
+
+
+@dataclass(frozen=True)
+class EngineConnections:
+    """What a replica talks to. Not started: the tracker starts and closes them."""
+
+    store: Store
+    #: reads the markers topic in the tracker group (assigned by Kafka across replicas)
+    markers_consumer: AIOKafkaConsumer
+    #: copies, dead letters, parked markers, redrives (``acks=all``)
+    producer: AIOKafkaProducer
+    #: reads original messages back by position
+    originals: OriginalsReader
+    #: cluster metadata and end offsets (output topics' partitions, redrive scans)
+    scanner: PartitionScanner
