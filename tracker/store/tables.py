@@ -5,6 +5,7 @@ name mapping per row cost as much as the query), the headers' binary encoding, k
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
@@ -14,6 +15,7 @@ from sqlalchemy import (
 )
 
 from tracker.domain.entries import Entry, State
+from tracker.domain.ranges import RANGE_COLUMN_NAMES
 
 from .models import (
     DeadLetter,
@@ -67,6 +69,17 @@ ENTRY_COLUMN_NAMES = (
     "keep_payload",
     "claim_token",
 )
+#: The columns an upsert of an entry row overwrites (all but its key).
+ENTRY_UPDATE_COLUMNS = ENTRY_COLUMN_NAMES[4:]
+#: The columns an upsert of a tracked range's row overwrites (all but its key).
+RANGE_UPDATE_COLUMNS = RANGE_COLUMN_NAMES[4:]
+#: What an entry is counted by (``tracker.store.counts``).
+COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
+#: The key of a row of :data:`ENTRY_COLUMN_NAMES` or ``RANGE_COLUMN_NAMES``: rows are written
+#: in key order, so that two transactions lock the same rows in the same order (PostgreSQL).
+ROW_KEY = operator.itemgetter(0, 1, 2, 3)
+#: Keys per ``keys_in`` statement on SQLite (PostgreSQL takes them as arrays: ten times more).
+KEY_CHUNK = 500
 
 
 def encode_headers(headers: Iterable[tuple[str, bytes | None]]) -> bytes:

@@ -1,0 +1,353 @@
+"""Redelivery's side of the SQL store: what is due, claiming it, and recording a round.
+
+A round claims due entries (pushing them a lease ahead, so that a replica dying mid-round
+leaves them due again for the next owner), expands due tracked ranges into per-message
+entries first (an expired range redelivers exactly its open offsets), and records the outcome
+(copied, dead-lettered, lost, retry later) for the entries still claimed with its token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import and_, delete, or_, select, true, tuple_, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tracker.domain.entries import Entry, EntryKey, State
+from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
+
+from .counts import CountChanges
+from .dialects import (
+    driver_rows,
+    keys_in,
+    lock_rows_in_order,
+    mark_claimed,
+    max_bind_rows,
+    upsert_rows,
+)
+from .due_queries import (
+    DUE_AT,
+    DUE_QUERY_PARTITIONS,
+    ENTRY_WIDTH,
+    TOKEN_AT,
+    claim_query,
+    due_order,
+    due_query,
+)
+from .ownership import PartitionOwnership
+from .port import DeadLetterRecord
+from .tables import (
+    COUNT_COLUMNS,
+    ENTRY_COLUMN_NAMES,
+    ENTRY_UPDATE_COLUMNS,
+    KEY_CHUNK,
+    KEY_COLUMNS,
+    RANGE_KEY_COLUMNS,
+    ROW_KEY,
+    chunks,
+    dead_letters,
+    entry_from_values,
+    partitions_table,
+    ranges_table,
+    row_from_entry,
+    tracked,
+    tracked_counts,
+)
+
+
+class DueClaims(PartitionOwnership):
+    """Due times, claims and the records of redelivery rounds."""
+
+    async def next_due_ms(self, partitions: Iterable[int]) -> int | None:
+        """The earliest due time among entries and ranges of these markers partitions."""
+        by_partition = await self.next_due_by_partition(partitions)
+        return min(by_partition.values()) if by_partition else None
+
+    async def next_due_by_partition(self, partitions: Iterable[int]) -> dict[int, int]:
+        """Per markers partition with anything due, the earliest due time (one query).
+
+        Per partition because each becomes actionable on its own: the tracker acts on a
+        partition's entries once it has read that partition's markers far enough.
+        """
+        owned = sorted(set(partitions))
+        if not owned:
+            return {}
+        # One probe of (markers_partition, due_at_ms) per partition, whatever the table's
+        # size: MIN over an IN list scanned every owned row on PostgreSQL (35x slower at 1M
+        # entries than at 10k). ORDER BY .. LIMIT 1 rather than MIN, which PostgreSQL turns
+        # into that probe only once its statistics say the partition has many rows (see
+        # _probes in tracker/store/inspection.py).
+        earliest = [
+            select(tracked.c.due_at_ms)
+            .where(tracked.c.markers_partition == p, tracked.c.due_at_ms.is_not(None))
+            .order_by(tracked.c.due_at_ms)
+            .limit(1)
+            .scalar_subquery()
+            for p in owned
+        ] + [
+            select(ranges_table.c.due_at_ms)
+            .where(ranges_table.c.markers_partition == p)
+            .order_by(ranges_table.c.due_at_ms)
+            .limit(1)
+            .scalar_subquery()
+            for p in owned
+        ]
+        async with self.transaction(read_only=True) as conn:
+            found = (await conn.execute(select(*earliest))).one()
+        out: dict[int, int] = {}
+        halves = (found[: len(owned)], found[len(owned) :])
+        for p, entry_due, range_due in zip(owned, *halves, strict=True):
+            values = [int(v) for v in (entry_due, range_due) if v is not None]
+            if values:
+                out[p] = min(values)
+        return out
+
+    async def claim_due(
+        self,
+        markers_topic: str,
+        *,
+        epochs: dict[int, int],
+        due_by: dict[int, int],
+        now_ms: int,
+        limit: int,
+        lease_ms: int,
+        token: str,
+    ) -> tuple[list[Entry], set[int]]:
+        """Claim up to ``limit`` entries due by ``due_by[partition]`` in our partitions.
+
+        ``epochs`` are all partitions we believe we own (each is fenced); only those present
+        in ``due_by`` are searched. Claimed entries are pushed to ``now_ms + lease_ms``, so if
+        this replica dies while republishing them they become due again for whoever owns the
+        partition then. Returns the claimed entries (as they were before the claim) and the
+        partitions we turned out to be fenced from.
+        """
+        async with self.transaction() as conn:
+            fenced = await self._fence(conn, markers_topic, epochs, now_ms)
+            searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
+            if not searched:
+                return [], fenced
+            await self._expand_due_ranges(conn, searched, limit)
+            # SQLite allows 500 terms in a compound SELECT: a few queries for a replica
+            # owning hundreds of markers partitions, merged here.
+            rows: list[Sequence[Any]] = []
+            groups = list(chunks(sorted(searched.items()), DUE_QUERY_PARTITIONS))
+            sqlite = conn.dialect.name == "sqlite"
+            for group in groups:
+                params: dict[str, Any] = {"limit": limit}
+                for i, (p, t) in enumerate(group):
+                    params[f"p{i}"], params[f"t{i}"] = p, t
+                if sqlite:  # read, then mark by rowid (no UPDATE .. FROM .. RETURNING there)
+                    rows += await driver_rows(conn, due_query(len(group), "sqlite"), params)
+                else:  # one statement marks the rows and returns them as they were
+                    params.update(token=token, claimed_due=now_ms + lease_ms)
+                    rows += await driver_rows(conn, claim_query(len(group)), params)
+            rows.sort(key=due_order)
+            if len(groups) > 1:
+                # Claimed beyond ``limit`` on PostgreSQL: given back in the same transaction.
+                rows, extra = rows[:limit], rows[limit:]
+                if extra and not sqlite:
+                    await self._unclaim(conn, extra, token)
+            if sqlite:
+                await mark_claimed(conn, tracked, rows, token=token, due_at_ms=now_ms + lease_ms)
+        return [entry_from_values(row[:ENTRY_WIDTH], token) for row in rows], fenced
+
+    async def _unclaim(
+        self, conn: AsyncConnection, rows: Sequence[Sequence[Any]], token: str
+    ) -> None:
+        """Put rows claimed in excess back as they were (their due time, no token)."""
+        for row in rows:
+            await conn.execute(
+                update(tracked)
+                .where(tuple_(*KEY_COLUMNS) == tuple(row[:4]), tracked.c.claim_token == token)
+                .values(due_at_ms=row[DUE_AT], claim_token=row[TOKEN_AT])
+            )
+
+    async def _expand_due_ranges(
+        self, conn: AsyncConnection, due_by: dict[int, int], limit: int
+    ) -> None:
+        """Turn the earliest due ranges, about ``limit`` offsets of them, into entries.
+
+        An expired range redelivers exactly its open offsets, and redelivery is per message
+        (every copy is a record of its own, with its own attempt), so this is where a range
+        ends: its offsets become ordinary in-flight entries of attempt 1, which the due query
+        that follows claims like any other. The counters do not move (in flight either way).
+
+        Ranges are taken in due order until their open offsets reach ``limit`` (at least
+        one range): a claim of 1,000 must not turn 1,000 ranges of 500 offsets each into
+        half a million rows. Ranges left for later are due no earlier than those taken.
+        """
+        r = ranges_table.c
+        columns = [r[name] for name in RANGE_COLUMN_NAMES]
+        candidates: list[TrackedRange] = []
+        for group in chunks(sorted(due_by.items()), DUE_QUERY_PARTITIONS):
+            rows = await conn.execute(
+                select(*columns)
+                .where(or_(*(and_(r.markers_partition == p, r.due_at_ms <= t) for p, t in group)))
+                .order_by(r.due_at_ms)
+                .limit(limit)
+            )
+            candidates += [TrackedRange.from_row(row) for row in rows]
+        if not candidates:
+            return
+        candidates.sort(key=lambda t: (t.due_at_ms, t.key))
+        due: list[TrackedRange] = []
+        offsets = 0
+        for tracked_range in candidates:
+            if offsets >= limit:
+                break
+            due.append(tracked_range)
+            offsets += tracked_range.open_count
+        rows_out = sorted(
+            (row_from_entry(t.entry_at(offset)) for t in due for offset in t.offsets()),
+            key=ROW_KEY,
+        )
+        for row_chunk in chunks(rows_out, 5_000):
+            await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, row_chunk)
+        for key_chunk in chunks(sorted(t.key for t in due), self._key_chunk):
+            await conn.execute(
+                delete(ranges_table).where(keys_in(self.engine, RANGE_KEY_COLUMNS, key_chunk))
+            )
+
+    async def finish_redelivery(
+        self,
+        token: str,
+        *,
+        markers_topic: str,
+        partitions: Iterable[int],
+        done: Sequence[EntryKey],
+        dead: Sequence[DeadLetterRecord],
+        lost: Sequence[tuple[EntryKey, str]],
+        retry: Sequence[tuple[EntryKey, int]],
+        now_ms: int,
+    ) -> None:
+        """Record the outcome of a redelivery round for entries claimed with ``token``.
+
+        ``done``: a copy was produced (the entry goes; the copy's START recreates it).
+        ``dead``: published to the DLQ. ``lost``: the original is gone (kept, with reason).
+        ``retry``: could not act now; due again at the given time.
+
+        ``partitions``: the markers partitions of the claimed entries. Their rows are locked
+        first, as every ingest flush (``apply``) does before it writes entries: a flush and a
+        round's record on the same partition then run one after the other instead of locking
+        the same entry rows in different orders (which PostgreSQL ends with a deadlock, and
+        whose victim, if it is this record, leaves copies out and entries claimed).
+        """
+        async with self.transaction() as conn:
+            await lock_rows_in_order(
+                conn,
+                select(partitions_table.c.partition).where(
+                    partitions_table.c.markers_topic == markers_topic,
+                    partitions_table.c.partition.in_(sorted(set(partitions))),
+                ),
+                partitions_table.c.partition,
+            )
+            counts = CountChanges()
+            finished = sorted([*done, *(d.entry.key for d in dead)])
+            for chunk in chunks(finished, KEY_CHUNK):
+                gone = await conn.execute(
+                    delete(tracked)
+                    .where(keys_in(self.engine, KEY_COLUMNS, chunk), tracked.c.claim_token == token)
+                    .returning(*COUNT_COLUMNS)
+                )
+                for count_key in gone:
+                    counts.add(tuple(count_key), -1)
+            if dead:
+                rows = [
+                    {
+                        "group_id": d.entry.group_id,
+                        "origin_topic": d.entry.origin_topic,
+                        "origin_partition": d.entry.origin_partition,
+                        "origin_offset": d.entry.origin_offset,
+                        "source_topic": d.entry.copy_topic,
+                        "source_partition": d.entry.copy_partition,
+                        "source_offset": d.entry.copy_offset,
+                        "dlq_topic": d.dlq_topic,
+                        "dlq_partition": d.dlq_partition,
+                        "dlq_offset": d.dlq_offset,
+                        "reason": d.reason,
+                        "last_error": d.entry.reason,
+                        "attempts": d.entry.attempt,
+                        "first_seen_ms": d.entry.first_seen_ms,
+                        "dead_lettered_ms": d.dead_lettered_ms,
+                        "message_key": d.message_key,
+                        "redriven_ms": None,
+                    }
+                    for d in dead
+                ]
+                for row_chunk in chunks(rows, max_bind_rows(self.engine, 17)):
+                    await conn.execute(dead_letters.insert().values(list(row_chunk)))
+            await self._mark_lost(conn, sorted(lost), now_ms, counts, token=token)
+            await counts.write(conn, self.engine, tracked_counts)
+            for key, due_ms in sorted(retry):
+                await conn.execute(
+                    update(tracked)
+                    .where(tuple_(*KEY_COLUMNS) == key, tracked.c.claim_token == token)
+                    .values(due_at_ms=due_ms, claim_token=None)
+                )
+
+    async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
+        """Record entries as lost (their original is gone), whoever claimed them."""
+        if not items:
+            return
+        async with self.transaction() as conn:
+            # Lock the entries' markers partitions first, as every writer of entries does
+            # (ingest would otherwise overwrite the change with what it read before it).
+            partitions: set[int] = set()
+            for chunk in chunks([k for k, _ in items], KEY_CHUNK):
+                found = await conn.execute(
+                    select(tracked.c.markers_partition)
+                    .where(keys_in(self.engine, KEY_COLUMNS, chunk))
+                    .distinct()
+                )
+                partitions.update(p for (p,) in found)
+            await lock_rows_in_order(
+                conn,
+                select(partitions_table.c.partition)
+                .where(partitions_table.c.partition.in_(sorted(partitions)))
+                .order_by(partitions_table.c.markers_topic),
+                partitions_table.c.partition,
+            )
+            counts = CountChanges()
+            await self._mark_lost(conn, sorted(items), now_ms, counts)
+            await counts.write(conn, self.engine, tracked_counts)
+
+    async def _mark_lost(
+        self,
+        conn: AsyncConnection,
+        items: Sequence[tuple[EntryKey, str]],
+        now_ms: int,
+        counts: CountChanges,
+        *,
+        token: str | None = None,
+    ) -> None:
+        """Mark ``items`` lost (only those claimed with ``token``, if given), counting it."""
+        if not items:
+            return
+        owned = tracked.c.claim_token == token if token is not None else true()
+        before: dict[EntryKey, tuple[Any, ...]] = {}
+        for chunk in chunks([k for k, _ in items], KEY_CHUNK):
+            rows = await conn.execute(
+                select(*KEY_COLUMNS, *COUNT_COLUMNS).where(
+                    keys_in(self.engine, KEY_COLUMNS, chunk), owned
+                )
+            )
+            for row in rows:
+                before[tuple(row[:4])] = tuple(row[4:])
+        for key, reason in items:
+            if key not in before:
+                continue
+            await conn.execute(
+                update(tracked)
+                .where(tuple_(*KEY_COLUMNS) == key, owned)
+                .values(
+                    state=State.LOST.value,
+                    due_at_ms=None,
+                    reason=reason,
+                    claim_token=None,
+                    updated_ms=now_ms,
+                )
+            )
+            partition, topic, state = before[key]
+            counts.add((partition, topic, state), -1)
+            counts.add((partition, topic, State.LOST.value), 1)

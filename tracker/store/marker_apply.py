@@ -1,0 +1,254 @@
+"""Applying a flush of markers to the SQL store: load what the markers can reach, fold per
+lane, write what changed, in one fenced transaction.
+
+The fold itself is the domain's (``tracker.domain.ranges.fold_lane_changes``, shared with the
+in-memory store); this module is the SQL around it: which rows to read (entries by key and in
+the spans of range markers, tracked ranges overlapping any touched offset, both in a bounded
+walk of the primary key), and how to write the result (upserts and deletes in key order,
+many keys per statement).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import and_, delete, or_, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from tracker.domain.entries import Entry, EntryKey, State
+from tracker.domain.policy import PolicyLookup
+from tracker.domain.ranges import (
+    RANGE_COLUMN_NAMES,
+    LaneKey,
+    LaneMarker,
+    RangeKey,
+    TrackedRange,
+    fold_lane_changes,
+    lane_of,
+    touched,
+)
+from tracker.protocol import RangeMarker
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
+
+from .counts import CountChanges
+from .dialects import keys_in, upsert_rows
+from .errors import Fenced
+from .ownership import PartitionOwnership
+from .port import ApplyResult, PartitionProgress, PendingMarker
+from .tables import (
+    ENTRY_COLUMN_NAMES,
+    ENTRY_UPDATE_COLUMNS,
+    KEY_COLUMNS,
+    RANGE_KEY_COLUMNS,
+    RANGE_UPDATE_COLUMNS,
+    ROW_KEY,
+    chunks,
+    entry_from_values,
+    ranges_table,
+    row_from_entry,
+    tracked,
+    tracked_counts,
+)
+
+#: lanes (or spans) per statement of the range-aware loads
+_LANE_CHUNK = 100
+#: how the open offsets of a tracked range are counted (tracker.store.counts)
+IN_FLIGHT = State.IN_FLIGHT.value
+
+
+def merge_spans(
+    spans: Iterable[tuple[LaneKey, int, int]], gap: int = 1
+) -> list[tuple[LaneKey, int, int]]:
+    """Spans of one lane merged where less than ``gap`` apart (fewer, simpler queries)."""
+    merged: list[tuple[LaneKey, int, int]] = []
+    for lane, first, last in sorted(spans):
+        if merged and merged[-1][0] == lane and first <= merged[-1][2] + gap:
+            if last > merged[-1][2]:
+                merged[-1] = (lane, merged[-1][1], last)
+        else:
+            merged.append((lane, first, last))
+    return merged
+
+
+class MarkerApply(PartitionOwnership):
+    """``apply``: markers in, rows and counters out, atomically with the partitions' progress."""
+
+    async def _load(self, conn: AsyncConnection, keys: Sequence[EntryKey]) -> dict[EntryKey, Entry]:
+        found: dict[EntryKey, Entry] = {}
+        columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
+        for chunk in chunks(keys, self._key_chunk):
+            rows = await conn.execute(
+                select(*columns).where(keys_in(self.engine, KEY_COLUMNS, chunk))
+            )
+            for row in rows:
+                entry = entry_from_values(row)
+                found[entry.key] = entry
+        return found
+
+    async def apply(
+        self,
+        markers_topic: str,
+        progress: dict[int, PartitionProgress],
+        markers: Sequence[PendingMarker],
+        policy_for: PolicyLookup,
+        now_ms: int,
+    ) -> ApplyResult:
+        """Apply markers (in order) and record how far each partition is applied, atomically.
+
+        Markers fold in memory first, per lane (group, origin topic and partition: the unit
+        whose markers are ordered), over the entries and tracked ranges they can reach
+        (``tracker/domain/ranges.py``): a START followed by its ACK, or a RANGE_START and the
+        RANGE_SETTLE of its whole batch, write nothing. Raises :class:`Fenced` (and applies
+        nothing) if any partition is no longer ours.
+        """
+        lanes: dict[LaneKey, list[PendingMarker]] = defaultdict(list)
+        for pending in markers:
+            lanes[lane_of(pending.marker)].append(pending)
+        result = ApplyResult()
+        async with self.transaction() as conn:
+            fenced = await self._fence(
+                conn,
+                markers_topic,
+                {p: pr.epoch for p, pr in progress.items()},
+                now_ms,
+                {p: pr.next_offset for p, pr in progress.items()},
+            )
+            if fenced:
+                raise Fenced(fenced)
+            if not lanes:
+                return result
+            entries, ranges = await self._load_lanes(conn, lanes)
+            upserts: list[tuple[Any, ...]] = []
+            deletes: list[EntryKey] = []
+            range_upserts: list[tuple[Any, ...]] = []
+            range_deletes: list[RangeKey] = []
+            counts = CountChanges()
+            earliest: int | None = None
+            for lane, pendings in lanes.items():
+                changes = fold_lane_changes(
+                    entries.get(lane, {}),
+                    list(ranges.get(lane, {}).values()),
+                    [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
+                    policy_for,
+                )
+                result.anomalies += [(pendings[i], why) for i, why in changes.anomalies]
+                for before, entry in changes.entries_written:
+                    upserts.append(row_from_entry(entry))
+                    counts.change(before, entry)
+                for before in changes.entries_deleted:
+                    deletes.append(before.key)
+                    counts.change(before, None)
+                topic = lane[1]
+                for old in changes.ranges_before:
+                    counts.add((old.markers_partition, topic, IN_FLIGHT), -old.open_count)
+                for new in changes.ranges_after:
+                    counts.add((new.markers_partition, topic, IN_FLIGHT), new.open_count)
+                range_upserts += [t.row() for t in changes.ranges_written]
+                range_deletes += changes.ranges_deleted
+                due = changes.earliest_due_ms
+                if due is not None and (earliest is None or due < earliest):
+                    earliest = due
+            result.earliest_due_ms = earliest
+            await self._write_folded(conn, upserts, deletes, range_upserts, range_deletes)
+            await counts.write(conn, self.engine, tracked_counts)
+            result.upserted = len(upserts) + len(range_upserts)
+            result.deleted = len(deletes) + len(range_deletes)
+        return result
+
+    async def _write_folded(
+        self,
+        conn: AsyncConnection,
+        upserts: list[tuple[Any, ...]],
+        deletes: list[EntryKey],
+        range_upserts: list[tuple[Any, ...]],
+        range_deletes: list[RangeKey],
+    ) -> None:
+        """Write what a fold changed: entries, then ranges."""
+        # Rows are written in key order, as finish_redelivery does: two transactions that
+        # lock the same rows in the same order cannot deadlock (PostgreSQL).
+        if upserts:
+            upserts.sort(key=ROW_KEY)
+            await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, upserts)
+        # Many keys per statement (one round trip per chunk), not one statement per key.
+        for chunk in chunks(sorted(deletes), self._key_chunk):
+            await conn.execute(delete(tracked).where(keys_in(self.engine, KEY_COLUMNS, chunk)))
+        for range_chunk in chunks(sorted(range_deletes), self._key_chunk):
+            await conn.execute(
+                delete(ranges_table).where(keys_in(self.engine, RANGE_KEY_COLUMNS, range_chunk))
+            )
+        if range_upserts:
+            range_upserts.sort(key=ROW_KEY)
+            await upsert_rows(
+                conn, ranges_table, RANGE_COLUMN_NAMES, RANGE_UPDATE_COLUMNS, range_upserts
+            )
+
+    async def _load_lanes(
+        self, conn: AsyncConnection, lanes: dict[LaneKey, list[PendingMarker]]
+    ) -> tuple[dict[LaneKey, dict[int, Entry]], dict[LaneKey, dict[RangeKey, TrackedRange]]]:
+        """Everything the lanes' markers can reach, per lane: entries by origin offset (by key
+        and in the ranges' spans) and the tracked ranges overlapping what they touch."""
+        keys: list[EntryKey] = []
+        spans: list[tuple[LaneKey, int, int]] = []
+        reach: list[tuple[LaneKey, int, int]] = []  #: every offset a marker touches
+        for lane, pendings in lanes.items():
+            for pending in pendings:
+                first, last = touched(pending.marker)
+                if isinstance(pending.marker, RangeMarker):
+                    spans.append((lane, first, last))
+                else:
+                    keys.append((*lane, first))
+                reach.append((lane, first, last))
+        loaded = await self._load(conn, list(dict.fromkeys(keys))) if keys else {}
+        for span_chunk in chunks(merge_spans(spans), _LANE_CHUNK):
+            columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
+            rows = await conn.execute(
+                select(*columns).where(
+                    or_(
+                        *(
+                            and_(
+                                tracked.c.group_id == g,
+                                tracked.c.origin_topic == t,
+                                tracked.c.origin_partition == p,
+                                tracked.c.origin_offset.between(a, b),
+                            )
+                            for (g, t, p), a, b in span_chunk
+                        )
+                    )
+                )
+            )
+            for row in rows:
+                entry = entry_from_values(row)
+                loaded[entry.key] = entry
+        found_ranges: dict[LaneKey, dict[RangeKey, TrackedRange]] = defaultdict(dict)
+        columns = [ranges_table.c[name] for name in RANGE_COLUMN_NAMES]
+        r = ranges_table.c
+        # A range never spans more than MAX_RANGE_WIDTH offsets (it is a subset of one
+        # RANGE_START), so the ranges holding any offset of [a, b] start in
+        # [a - MAX_RANGE_WIDTH + 1, b]: a bounded walk of the primary key, however many
+        # ranges the lane has elsewhere.
+        for lane_chunk in chunks(merge_spans(reach, MAX_RANGE_WIDTH), _LANE_CHUNK):
+            rows = await conn.execute(
+                select(*columns).where(
+                    or_(
+                        *(
+                            and_(
+                                r.group_id == g,
+                                r.origin_topic == t,
+                                r.origin_partition == p,
+                                r.first_offset.between(a - MAX_RANGE_WIDTH + 1, b),
+                                r.last_offset >= a,
+                            )
+                            for (g, t, p), a, b in lane_chunk
+                        )
+                    )
+                )
+            )
+            for row in rows:
+                tracked_range = TrackedRange.from_row(row)
+                found_ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
+        entries: dict[LaneKey, dict[int, Entry]] = defaultdict(dict)
+        for key, entry in loaded.items():
+            entries[key[:3]][key[3]] = entry
+        return entries, found_ranges

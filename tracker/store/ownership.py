@@ -1,0 +1,146 @@
+"""Ownership and fencing of markers partitions in the SQL store.
+
+Each markers partition has a row with an *epoch*. A replica that is assigned the partition
+bumps the epoch (:meth:`PartitionOwnership.claim_partitions`); every later write for that
+partition (applying markers, claiming due entries) first updates the row *where the epoch is
+still ours* (:meth:`PartitionOwnership._fence`). On PostgreSQL that update also row-locks the
+partition, so a takeover and a write serialize; on SQLite there is one writer anyway. A
+replica whose epoch moved on gets :class:`~tracker.store.errors.Fenced`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import and_, select, tuple_, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .counts import recount
+from .database import SqlDatabase
+from .dialects import insert_ignore, lock_rows_in_order
+from .port import Claim
+from .tables import partitions_table, ranges_table, tracked, tracked_counts
+
+
+class PartitionOwnership(SqlDatabase):
+    """Claims, releases and fences markers partitions; reads how far each is applied."""
+
+    async def claim_partitions(
+        self, markers_topic: str, partitions: Iterable[int], owner: str, now_ms: int
+    ) -> dict[int, Claim]:
+        """Take these markers partitions over: bump their epochs, return where to resume."""
+        claims: dict[int, Claim] = {}
+        async with self.transaction() as conn:
+            for partition in sorted(set(partitions)):
+                key = and_(
+                    partitions_table.c.markers_topic == markers_topic,
+                    partitions_table.c.partition == partition,
+                )
+                await conn.execute(
+                    insert_ignore(
+                        self.engine,
+                        partitions_table,
+                        [
+                            {
+                                "markers_topic": markers_topic,
+                                "partition": partition,
+                                "epoch": 0,
+                                "owner": None,
+                                "next_offset": -1,
+                                "updated_ms": now_ms,
+                            }
+                        ],
+                    )
+                )
+                result = await conn.execute(
+                    update(partitions_table)
+                    .where(key)
+                    .values(epoch=partitions_table.c.epoch + 1, owner=owner, updated_ms=now_ms)
+                    .returning(partitions_table.c.epoch, partitions_table.c.next_offset)
+                )
+                epoch, next_offset = result.one()
+                claims[partition] = Claim(epoch, None if next_offset < 0 else next_offset)
+            # The rows are ours and locked now: whatever the previous owners wrote, the
+            # counters of these partitions are exact from here on (see tracker.store.counts).
+            await recount(
+                conn, tracked_counts, tracked, claims, ranges=ranges_table, engine=self.engine
+            )
+        return claims
+
+    async def release_partitions(self, markers_topic: str, epochs: dict[int, int]) -> None:
+        """Give partitions up (on revoke or shutdown) if they are still ours."""
+        async with self.transaction() as conn:
+            for partition, epoch in epochs.items():
+                await conn.execute(
+                    update(partitions_table)
+                    .where(
+                        partitions_table.c.markers_topic == markers_topic,
+                        partitions_table.c.partition == partition,
+                        partitions_table.c.epoch == epoch,
+                    )
+                    .values(owner=None)
+                )
+
+    async def _fence(
+        self,
+        conn: AsyncConnection,
+        markers_topic: str,
+        epochs: dict[int, int],
+        now_ms: int,
+        next_offsets: dict[int, int] | None = None,
+    ) -> set[int]:
+        """Touch each partition row where the epoch is ours; return the partitions fenced."""
+        if next_offsets is None and epochs:
+            return await self._fence_all(conn, markers_topic, epochs, now_ms)
+        fenced: set[int] = set()
+        for partition in sorted(epochs):
+            values: dict[str, Any] = {"updated_ms": now_ms}
+            if next_offsets is not None and partition in next_offsets:
+                values["next_offset"] = next_offsets[partition]
+            result = await conn.execute(
+                update(partitions_table)
+                .where(
+                    partitions_table.c.markers_topic == markers_topic,
+                    partitions_table.c.partition == partition,
+                    partitions_table.c.epoch == epochs[partition],
+                )
+                .values(**values)
+            )
+            if result.rowcount != 1:
+                fenced.add(partition)
+        return fenced
+
+    async def _fence_all(
+        self, conn: AsyncConnection, markers_topic: str, epochs: dict[int, int], now_ms: int
+    ) -> set[int]:
+        """:meth:`_fence` without offsets to write: one statement (two on PostgreSQL, whose
+        rows are locked in partition order first, as every writer locks them)."""
+        p = partitions_table.c
+        owned = sorted(epochs.items())
+        await lock_rows_in_order(
+            conn,
+            select(p.partition).where(
+                p.markers_topic == markers_topic, p.partition.in_([q for q, _ in owned])
+            ),
+            p.partition,
+        )
+        touched = await conn.execute(
+            update(partitions_table)
+            .where(p.markers_topic == markers_topic, tuple_(p.partition, p.epoch).in_(owned))
+            .values(updated_ms=now_ms)
+            .returning(p.partition)
+        )
+        return set(epochs) - {partition for (partition,) in touched}
+
+    async def partition_offsets(self, markers_topic: str) -> dict[int, tuple[int, int]]:
+        """``{partition: (epoch, next_offset)}`` for a markers topic."""
+        async with self.transaction() as conn:
+            rows = await conn.execute(
+                select(
+                    partitions_table.c.partition,
+                    partitions_table.c.epoch,
+                    partitions_table.c.next_offset,
+                ).where(partitions_table.c.markers_topic == markers_topic)
+            )
+            return {r.partition: (r.epoch, r.next_offset) for r in rows}
