@@ -31,7 +31,9 @@ from tracker.client.handlers import HandlerCaller, HandlerReturnedAwaitable, is_
 from tracker.client.message import MessageContext
 from tracker.client.open_ranges import ACKED, DIVERGED, SENT, OpenRange, RangeBook
 from tracker.client.ordering import Lanes, Ordering
-from tracker.client.workers import PoolSettings, TakenBatch, WorkerPool, WorkerStats
+from tracker.client.pool_config import PoolSettings, WorkerStats
+from tracker.client.pool_source import TakenBatch
+from tracker.client.workers import WorkerPool
 from tracker.errors import ClientClosed, InvalidDelay
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker, MarkerKind

@@ -5,8 +5,8 @@ from .handlers import Handler, HandlerReturnedAwaitable, RejectMessage, RetryMes
 from .marker_sink import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage
 from .ordering import Ordering
+from .pool_config import WorkerStats
 from .producer import KmqProducer, resolve_deliver_at
-from .workers import WorkerStats
 
 __all__ = [
     "DEFAULT_MARKERS_TOPIC",

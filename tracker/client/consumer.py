@@ -21,38 +21,37 @@ in steady state the application never waits for a round trip.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import timedelta
-from operator import attrgetter
 from types import TracebackType
 from typing import Any, Self
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
-from aiokafka.structs import OffsetAndMetadata
 
 from tracker.clock import Clock, SystemClock
 from tracker.errors import ClientClosed, MarkerWriteFailed
 from tracker.ids import MessageId, is_valid_topic
 from tracker.kafka.clients import stop_consumer
-from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker, Marker
+from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker
 
+from .group_membership import GroupTimeouts, RebalanceCounter
 from .handlers import Handler, HandlerCaller
 from .marker_sink import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage, MessageContext, messages_of
+from .offset_commits import OffsetCommits, offsets_past
 from .open_ranges import OpenRange, RangeBook
 from .ordering import Ordering
 from .pipeline import StartPipeline
 from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
-from .workers import PoolSettings, TakenBatch, WorkerPool, WorkerStats
+from .pool_config import PoolSettings, WorkerStats, checked_run_options
+from .pool_source import ConsumerBatchSource, TakenBatch
+from .prepared_batches import PreparedBatch, prefetch_seconds, value_bytes
+from .workers import WorkerPool
 
 #: aiokafka's default ``fetch_max_bytes`` (50 MiB, as the Java consumer's ``fetch.max.bytes``).
 AIOKAFKA_FETCH_MAX_BYTES = 52_428_800
@@ -69,11 +68,6 @@ POOL_PIPELINE_DEPTH = 4
 
 #: The lease ``run()`` asks for and renews when the consumer leaves it to the tracker's policy.
 DEFAULT_RUN_LEASE = timedelta(seconds=30)
-
-#: aiokafka's default ``max_poll_interval_ms``.
-AIOKAFKA_MAX_POLL_INTERVAL_MS = 300_000
-#: aiokafka's default ``session_timeout_ms`` (its ``rebalance_timeout_ms`` defaults to it).
-AIOKAFKA_SESSION_TIMEOUT_MS = 10_000
 
 
 def default_consumer_id() -> str:
@@ -178,8 +172,8 @@ class KmqConsumer:
             (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
         )
         #: counts rebalances: batches fetched before one are not handed over
-        self._rebalances = _Rebalances(self._on_revoked)
-        self._group_timeouts = _GroupTimeouts.of(consumer_config or {})
+        self._rebalances = RebalanceCounter(self._on_revoked)
+        self._group_timeouts = GroupTimeouts.of(consumer_config or {})
         self._consumer.subscribe(list(topics), listener=self._rebalances)
         self._producer: Any = None
         if marker_sink is None:
@@ -194,9 +188,7 @@ class KmqConsumer:
         self._context = MessageContext(group_id, self._sink, self._book)
         self._pipeline: StartPipeline | None = None
         self._pipeline_depth = pipeline_depth
-        self._committing: asyncio.Task[None] | None = None
-        #: offsets of batches handed over, not yet in a commit request
-        self._to_commit: dict[Any, OffsetAndMetadata] = {}
+        self._commits = OffsetCommits(self._consumer)
         #: handed-over messages settled per message (copies): what ack_all must ack
         self._loose: list[KmqMessage] = []
         self._running = False
@@ -239,7 +231,7 @@ class KmqConsumer:
         self._running = False
         try:
             await self._release_prefetched()
-            await self._committed()
+            await self._commits.finish()
             self._book.flush()
             self._book.close()
             await self._sink.flush()
@@ -259,7 +251,7 @@ class KmqConsumer:
         if self._pipeline is None:
             return
         for item in await self._pipeline.close():
-            prepared = _Prepared(item.plans, item.sent_at, self._timeout_ms, self.group_id)
+            prepared = PreparedBatch(item.plans, item.sent_at, self._timeout_ms, self.group_id)
             for marker in prepared.extensions(1):
                 self._sink.send_later(marker)
 
@@ -349,23 +341,13 @@ class KmqConsumer:
         the pool: its message is given back, the others drain, and ``run`` raises it.
         ``run`` takes over the consumer: call it once, and not after ``getmany``/iteration.
         """
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
-        try:
-            order = Ordering(ordering)
-        except ValueError:
-            choices = ", ".join(repr(o.value) for o in Ordering)
-            raise ValueError(f"ordering must be one of {choices}, got {ordering!r}") from None
-        for name, value in (("max_processing", max_processing), ("drain_timeout", drain_timeout)):
-            if not isinstance(value, timedelta):
-                raise TypeError(f"{name} must be a datetime.timedelta, got {value!r}")
-        max_s = max_processing.total_seconds()
-        if not 0 < max_s * 1000 <= MAX_TIMEOUT_MS:
-            raise ValueError("max_processing must be positive (and under ~49 days)")
-        if drain_timeout < timedelta(0):
-            raise ValueError("drain_timeout must not be negative")
-        if not callable(handler):
-            raise TypeError(f"the handler must be callable, got {type(handler).__name__}")
+        order, max_s, drain_s = checked_run_options(
+            handler,
+            concurrency=concurrency,
+            ordering=ordering,
+            max_processing=max_processing,
+            drain_timeout=drain_timeout,
+        )
         if not self._running:
             raise ClientClosed()
         if self._pool is not None or self._handed_out:
@@ -383,11 +365,18 @@ class KmqConsumer:
             ordering=order,
             lease_ms=self._timeout_ms,
             max_processing_s=max_s,
-            drain_s=drain_timeout.total_seconds(),
+            drain_s=drain_s,
             max_waiting=2 * max(concurrency, self._max_batch),
             keepalive_s=self._group_timeouts.max_poll_interval_ms / 3000,
         )
-        self._pool = pool = WorkerPool(_PoolSource(self), caller, settings)
+        source = ConsumerBatchSource(
+            take=self._take,
+            sink=self._sink,
+            consumer=self._consumer,
+            prefetched=lambda: [] if self._pipeline is None else self._pipeline.waiting(),
+            group=self.group_id,
+        )
+        self._pool = pool = WorkerPool(source, caller, settings)
         try:
             return await pool.run()
         finally:
@@ -405,9 +394,7 @@ class KmqConsumer:
             drain_s = min(pool.drain_s, budget_s)
             await pool.drain_partitions({(tp.topic, tp.partition) for tp in revoked}, drain_s)
         self._book.flush()
-        task = self._committing
-        if task is not None and not task.done():
-            await asyncio.wait({task}, timeout=budget_s / 2)
+        await self._commits.wait(budget_s / 2)
 
     async def _take(self, timeout_ms: int) -> TakenBatch | None:
         if self.marker_version == 2:
@@ -447,18 +434,18 @@ class KmqConsumer:
                 send=self._sink.send_all,
                 seek=self._seek_back,
                 depth=self._pipeline_depth,
-                ahead_s=_prefetch_seconds(self._timeout_ms),
+                ahead_s=prefetch_seconds(self._timeout_ms),
                 max_bytes=self._fetch_max_bytes,
-                weigh=_value_bytes,
+                weigh=value_bytes,
                 generation=self._rebalances.current,
             )
         item = await self._pipeline.next(timeout_ms / 1000)
         if item is None:
             return None
-        self._commit_soon(item.fetched)
+        self._commits.soon(item.fetched)
         self._book.flush()  # the acks of the batches before go out first
         return self._hand_over_ranges(
-            _Prepared(item.plans, item.sent_at, self._timeout_ms, self.group_id)
+            PreparedBatch(item.plans, item.sent_at, self._timeout_ms, self.group_id)
         )
 
     async def _fetch_batch(self) -> dict[Any, list[Any]]:
@@ -501,48 +488,7 @@ class KmqConsumer:
         if self._seen is not None:
             self._seen.clear()
 
-    def _commit_soon(self, fetched: dict[Any, list[Any]]) -> None:
-        """Commit past ``fetched`` soon, without waiting for it.
-
-        One commit is in flight at a time; batches handed over meanwhile only move the
-        offsets the next one carries (a later batch's offset replaces an earlier one's), so a
-        fast application costs one OffsetCommit per round trip, not one per batch.
-        """
-        to_commit = self._to_commit
-        for tp, batch in fetched.items():
-            if batch:
-                to_commit[tp] = OffsetAndMetadata(batch[-1].offset + 1, "")
-        if self._committing is None or self._committing.done():
-            self._committing = asyncio.get_running_loop().create_task(
-                self._commit_pending(), name="kmq-commit"
-            )
-
-    async def _commit_pending(self) -> None:
-        while self._to_commit:
-            offsets, self._to_commit = self._to_commit, {}
-            # A partition revoked since its batch was handed over is the next owner's to
-            # read again (its messages are covered by their STARTs); the rest is committed.
-            assigned = self._consumer.assignment()
-            offsets = {tp: offset for tp, offset in offsets.items() if tp in assigned}
-            if not offsets:
-                continue
-            try:
-                await self._consumer.commit(offsets)
-            except KafkaError as exc:
-                log.warning(
-                    "offset commit failed (%r); the batch is covered by its STARTs and will "
-                    "be read again by the partition's next owner",
-                    exc,
-                )
-
-    async def _committed(self) -> None:
-        """Wait for the commits in flight and pending (before leaving the group)."""
-        task, self._committing = self._committing, None
-        if task is not None:
-            with contextlib.suppress(Exception):
-                await task
-
-    def _hand_over_ranges(self, prepared: _Prepared) -> TakenBatch | None:
+    def _hand_over_ranges(self, prepared: PreparedBatch) -> TakenBatch | None:
         at = prepared.at
         if prepared.stale():
             # It waited for the application longer than half its lease: renew the lease of
@@ -580,13 +526,8 @@ class KmqConsumer:
     async def _commit(
         self, fetched: dict[Any, list[Any]], taken: list[tuple[MessageId, int]]
     ) -> bool:
-        offsets = {
-            tp: OffsetAndMetadata(batch[-1].offset + 1, "")
-            for tp, batch in fetched.items()
-            if batch
-        }
         try:
-            await self._consumer.commit(offsets)
+            await self._consumer.commit(offsets_past(fetched))
         except KafkaError as exc:
             # Typically a rebalance. The STARTs are written, so the tracker covers these
             # messages; re-reading them (here or at the new owner) is the safe way on.
@@ -630,143 +571,3 @@ class KmqConsumer:
 def _taken(planned: list[Planned]) -> list[tuple[MessageId, int]]:
     """The copies a batch takes (what the deduplication must forget if it is read again)."""
     return [(p.origin, p.attempt) for p in planned if p.action is not Action.SKIP]
-
-
-@dataclass(frozen=True, slots=True)
-class _GroupTimeouts:
-    """The group-membership timeouts of the consumer's aiokafka settings (or their defaults)."""
-
-    max_poll_interval_ms: int  #: the group drops a member that does not poll for this long
-    rebalance_timeout_ms: int  #: how long the group waits for members to rejoin
-
-    @classmethod
-    def of(cls, config: Mapping[str, Any]) -> _GroupTimeouts:
-        return cls(
-            int(config.get("max_poll_interval_ms", AIOKAFKA_MAX_POLL_INTERVAL_MS)),
-            int(
-                config.get("rebalance_timeout_ms")
-                or config.get("session_timeout_ms", AIOKAFKA_SESSION_TIMEOUT_MS)
-            ),
-        )
-
-
-class _PoolSource:
-    """The consumer as a worker pool's source of batches."""
-
-    def __init__(self, consumer: KmqConsumer) -> None:
-        self._consumer = consumer
-
-    async def take(self, wait_s: float) -> TakenBatch | None:
-        return await self._consumer._take(round(wait_s * 1000))
-
-    async def send_all(self, markers: Sequence[AnyMarker]) -> None:
-        await self._consumer._sink.send_all(markers)
-
-    def send_later(self, marker: AnyMarker) -> None:
-        self._consumer._sink.send_later(marker)
-
-    async def keep_alive(self) -> None:
-        """Poll with every partition paused: the group sees a live member, nothing is fetched
-        (what was buffered for a paused partition is dropped and fetched again later: its
-        position does not move)."""
-        consumer = self._consumer._consumer
-        assigned = consumer.assignment()
-        consumer.pause(*assigned)
-        try:
-            await consumer.getmany(timeout_ms=0)
-        finally:
-            consumer.resume(*(assigned & consumer.assignment()))
-
-    def prefetched_extensions(self, lease_ms: int, older_than_s: float) -> list[AnyMarker]:
-        consumer = self._consumer
-        pipeline = consumer._pipeline
-        if pipeline is None:
-            return []
-        now = time.monotonic()
-        markers: list[AnyMarker] = []
-        for item in pipeline.waiting():
-            if now - item.sent_at >= older_than_s:
-                prepared = _Prepared(item.plans, item.sent_at, lease_ms, consumer.group_id)
-                markers += prepared.extensions(lease_ms)
-                item.sent_at = now
-        return markers
-
-
-class _Rebalances(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Counts the group's rebalances for the START pipeline.
-
-    aiokafka rebalances eagerly: every partition is revoked, and the ones assigned again start
-    from their committed offsets. A batch fetched ahead of a rebalance would then be handed
-    over and read again (here or by the partition's new owner), so the pipeline drops the
-    batches of an older generation; their STARTs keep them covered until they are read again.
-    """
-
-    def __init__(self, on_revoked: Callable[[set[TopicPartition]], Awaitable[None]]) -> None:
-        self.generation = 0
-        self._on_revoked = on_revoked
-
-    def current(self) -> int:
-        return self.generation
-
-    async def on_partitions_revoked(self, revoked: Any) -> None:
-        self.generation += 1
-        try:
-            await self._on_revoked(set(revoked))
-        except Exception:
-            # aiokafka logs and goes on too; the messages are covered by their STARTs.
-            log.exception("finishing work on revoked partitions failed")
-
-    async def on_partitions_assigned(self, assigned: Any) -> None:
-        self.generation += 1
-
-
-_VALUE_SIZE = attrgetter("serialized_value_size")
-
-
-def _value_bytes(fetched: dict[Any, list[Any]]) -> int:
-    """The bytes of the values of a fetched batch (what prefetching holds in memory)."""
-    return sum(sum(map(_VALUE_SIZE, records)) for records in fetched.values())
-
-
-def _prefetch_seconds(timeout_ms: int) -> float:
-    """How much of the application's work may wait in the pipeline: a tenth of the lease the
-    client asks for, at most one second (a lease left to the tracker's policy is at least
-    seconds long: one second)."""
-    return min(1.0, timeout_ms / 10_000) if timeout_ms else 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    """A batch whose STARTs are acknowledged, ready to hand over (offsets committed after)."""
-
-    plans: list[RangePlan]
-    at: float  #: time.monotonic() when it was ready: its leases run from about then
-    timeout_ms: int  #: the lease its STARTs asked for (0: the topic's policy)
-    group: str
-
-    def stale(self) -> bool:
-        """Whether it waited more than half its lease (known only when the client set it)."""
-        return bool(self.timeout_ms) and (time.monotonic() - self.at) * 2000 > self.timeout_ms
-
-    def extensions(self, timeout_ms: int) -> list[AnyMarker]:
-        """EXTENDs of ``timeout_ms`` for every message it holds (1 ms: give them back)."""
-        out: list[AnyMarker] = []
-        for plan in self.plans:
-            for whole in plan.ranges:
-                extension = whole.extend(timeout_ms)
-                if extension is not None:
-                    out.append(extension)
-            for opened, records, origin, attempt in plan.deliver:
-                if opened is None:
-                    record = records[0]
-                    message = MessageId(record.topic, record.partition, record.offset)
-                    out.append(
-                        Marker.extend(
-                            self.group,
-                            message,
-                            timeout_ms=timeout_ms,
-                            attempt=attempt,
-                            origin=origin,
-                        )
-                    )
-        return out

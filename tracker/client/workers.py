@@ -35,11 +35,9 @@ import collections
 import contextlib
 import contextvars
 import logging
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
 
 from tracker.errors import KmqError, MarkerWriteFailed
 from tracker.protocol import AnyMarker
@@ -47,7 +45,9 @@ from tracker.protocol import AnyMarker
 from .handlers import HandlerCaller, HandlerReturnedAwaitable, RejectMessage, RetryMessage
 from .message import KmqMessage, extensions, releases
 from .open_ranges import OpenRange
-from .ordering import Lanes, Ordering, lane_function
+from .ordering import Lanes, lane_function
+from .pool_config import PoolSettings, WorkerStats
+from .pool_source import BatchSource, TakenBatch
 
 log = logging.getLogger(__name__)
 
@@ -64,55 +64,6 @@ ABANDON_WAIT_S = 2.0
 TAKE_WAIT_S = 0.2
 #: Pause before taking again after a batch's STARTs were not acknowledged.
 RETRY_PAUSE_S = 0.5
-
-
-@dataclass(slots=True, eq=False)
-class TakenBatch:
-    """A batch handed over by the consumer: STARTed, its offsets committed or on their way."""
-
-    messages: list[KmqMessage]
-    ranges: list[OpenRange]  #: the range STARTs covering most of them
-    loose: list[KmqMessage]  #: the ones settled per message (copies)
-    at: float  #: ``time.monotonic()`` when their STARTs were sent: their leases run from then
-
-
-class BatchSource(Protocol):
-    """What the pool needs from the consumer."""
-
-    async def take(self, wait_s: float) -> TakenBatch | None:
-        """The next batch handed over, or None after ``wait_s`` seconds."""
-        ...
-
-    async def send_all(self, markers: Sequence[AnyMarker]) -> None:
-        """Write markers; return once the broker acknowledged them."""
-        ...
-
-    def send_later(self, marker: AnyMarker) -> None:
-        """Queue a marker nobody waits for."""
-        ...
-
-    async def keep_alive(self) -> None:
-        """Poll the group without taking records (the pool is full)."""
-        ...
-
-    def prefetched_extensions(self, lease_ms: int, older_than_s: float) -> list[AnyMarker]:
-        """EXTENDs of ``lease_ms`` for batches fetched ahead whose leases run longer than
-        ``older_than_s`` (their leases count from now on)."""
-        ...
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """What a pool did (returned by ``KmqConsumer.run``)."""
-
-    acked: int = 0  #: handler returned: acked
-    retried: int = 0  #: handler raised (or asked for a retry)
-    rejected: int = 0  #: handler raised :class:`RejectMessage`
-    timed_out: int = 0  #: ran longer than ``max_processing`` (counted in ``retried`` too)
-    settled_by_handler: int = 0  #: the handler settled the message itself
-    released: int = 0  #: given back to the tracker unfinished (stop, revocation, drain timeout)
-    renewals: int = 0  #: EXTEND markers written to renew leases
-    most_in_progress: int = 0  #: the most handlers that ran at once
 
 
 @dataclass(slots=True, eq=False)
@@ -133,20 +84,6 @@ class _Job:
     #: why the pool cancelled its handler: "timeout" (max_processing) or "stop" (drain over)
     cancelled_for: str | None = None
     released: bool = False  #: given back to the tracker
-
-
-@dataclass(slots=True)
-class PoolSettings:
-    concurrency: int
-    ordering: Ordering
-    lease_ms: int  #: what each renewal asks for; renewed when a third of it is gone
-    max_processing_s: float
-    drain_s: float
-    max_waiting: int  #: messages taken and not started, at most (before the next batch)
-    #: while it takes nothing, the pool polls (records paused) this often, so that the group
-    #: does not drop it as a stalled member (a third of ``max_poll_interval_ms``)
-    keepalive_s: float = 100.0
-    clock: Callable[[], float] = field(default=time.monotonic)
 
 
 class WorkerPool:
