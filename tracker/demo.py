@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tracker.client import KmqConsumer, KmqMessage, KmqProducer
-from tracker.engine.redeliver import TrackerEvent
+from tracker.engine.redelivery_rounds import TrackerEvent
 from tracker.localbroker import LocalBroker
 
 TOPIC = "demo.orders"

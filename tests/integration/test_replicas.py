@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaProducer
 from support.broker import TopicFactory, create_topics, delete_topics, unique_topic
 
 from tracker.client.marker_sink import KafkaMarkerSink
-from tracker.engine.redeliver import TrackerEvent
+from tracker.engine.redelivery_rounds import TrackerEvent
 from tracker.ids import MessageId
 from tracker.partitioning import markers_partition
 from tracker.protocol import Marker

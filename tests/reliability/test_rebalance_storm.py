@@ -30,7 +30,7 @@ from integration.workload import Ledger, message_index, produce_over_time
 from support.broker import TopicFactory, unique_topic
 
 from tracker.client import KmqMessage
-from tracker.engine.redeliver import TrackerEvent
+from tracker.engine.redelivery_rounds import TrackerEvent
 from tracker.ids import MessageId
 from tracker.runtime import create_tracker
 

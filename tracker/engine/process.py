@@ -23,7 +23,8 @@ from tracker.engine.connections import EngineConnections, markers_poll_wait
 from tracker.engine.ingest import MarkerIngest
 from tracker.engine.parking import InvalidMarkerParker
 from tracker.engine.payloads import PayloadKeeper
-from tracker.engine.redeliver import Redeliverer, TrackerEvent
+from tracker.engine.redeliver import Redeliverer
+from tracker.engine.redelivery_rounds import TrackerEvent
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.engine.topic_catalog import TopicCatalog
 from tracker.engine.topic_setup import OutputTopics, prepare_tracker_topics

@@ -23,17 +23,18 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from aiokafka.errors import KafkaError
 from prometheus_client import Counter
 
-from tracker import headers as h
 from tracker.clock import Clock, to_millis
 from tracker.domain.entries import Decision, Entry, EntryKey, Plan, State, plan_due
 from tracker.domain.policy import TopicPolicy
 from tracker.engine.copies import CopyBatches
+from tracker.engine.copy_records import first_seen_ms, outgoing_record, payloads_key
+from tracker.engine.redelivery_rounds import ClaimedRound, QueuedRound, TrackerEvent, reap_rounds
 from tracker.engine.signals import IngestProgress
 from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
@@ -50,51 +51,6 @@ RETRY_AFTER_MS = 5_000  #: when a round cannot act on an entry (broker trouble),
 WAIT_FOR_PENDING_MS = 100  #: look again at an entry with unapplied markers this much later
 NOT_READY_RECHECK = 0.05  #: seconds between looks at due entries that are not actionable yet
 ROUNDS_IN_FLIGHT = 3  #: rounds claimed and not yet recorded, at most (``Redeliverer.run``)
-
-
-@dataclass(frozen=True, slots=True)
-class _ClaimedRound:
-    """Due entries claimed with one token, not yet produced."""
-
-    token: str
-    started: float  #: ``perf_counter`` when the claim began
-    epochs: dict[int, int]  #: the owned partitions' epochs the claim was fenced with
-    entries: list[Entry]  #: to act on now
-    later: list[tuple[EntryKey, int]]  #: markers still in the coalescing window: due again then
-    partitions: set[int]  #: markers partitions of every claimed entry
-    full: bool  #: the claim took a whole batch: more may be due right now
-
-
-@dataclass(frozen=True, slots=True)
-class _QueuedRound:
-    """A round whose copies are queued to the producer, not yet acknowledged or recorded."""
-
-    claimed: _ClaimedRound
-    now_ms: int
-    payloads: dict[EntryKey, OriginalRecord | Missing | None]
-    batches: CopyBatches
-    sends: list[tuple[Entry, Plan, str, str, int]]
-    lost: list[tuple[EntryKey, str]]
-    lost_entries: list[Entry]
-    retry: list[tuple[EntryKey, int]]
-    acted: int  #: entries acted on (copied, dead-lettered, lost or failed and retried)
-
-
-def _reap(tasks: set[asyncio.Task[int]]) -> None:
-    """Drop finished tasks from ``tasks``; raise the first failure among them."""
-    finished = [task for task in tasks if task.done()]
-    tasks.difference_update(finished)
-    for task in finished:
-        task.result()
-
-
-@dataclass(frozen=True, slots=True)
-class TrackerEvent:
-    """Something the tracker did, for observers (the demo, logs)."""
-
-    kind: str  #: redelivered | dead_lettered | lost
-    entry: Entry
-    detail: str
 
 
 class Redeliverer:
@@ -192,7 +148,7 @@ class Redeliverer:
         recorded.
         """
         slots = asyncio.Semaphore(self._depth)
-        claimed_rounds: asyncio.Queue[_ClaimedRound | None] = asyncio.Queue()
+        claimed_rounds: asyncio.Queue[ClaimedRound | None] = asyncio.Queue()
         recording: set[asyncio.Task[int]] = set()
         claimer = asyncio.create_task(
             self._claim_loop(stopping, slots, claimed_rounds), name="kmq-redelivery-claim"
@@ -202,7 +158,7 @@ class Redeliverer:
                 claimed = await claimed_rounds.get()
                 if claimed is None:
                     break
-                _reap(recording)  # raises what a finished record raised (not the store)
+                reap_rounds(recording)  # raises what a finished record raised (not the store)
                 try:
                     queued = await self._produce(claimed)
                 except StoreUnavailable as exc:  # reading kept payloads: give the round back
@@ -218,7 +174,7 @@ class Redeliverer:
             # Stopping: every claimed round was produced; let their records finish.
             if recording:
                 await asyncio.wait(recording)
-            _reap(recording)
+            reap_rounds(recording)
         except BaseException:
             # Cancelled (or failed): stop at once. Rounds not recorded come back after their
             # claim lease, as after a crash.
@@ -231,7 +187,7 @@ class Redeliverer:
         self,
         stopping: asyncio.Event,
         slots: asyncio.Semaphore,
-        claimed_rounds: asyncio.Queue[_ClaimedRound | None],
+        claimed_rounds: asyncio.Queue[ClaimedRound | None],
     ) -> None:
         """Claim rounds for the producer while there are free slots; sleep when none is due."""
         backoff = 0.5
@@ -253,7 +209,7 @@ class Redeliverer:
         self,
         stopping: asyncio.Event,
         slots: asyncio.Semaphore,
-        claimed_rounds: asyncio.Queue[_ClaimedRound | None],
+        claimed_rounds: asyncio.Queue[ClaimedRound | None],
     ) -> None:
         """Claim one round (once a slot is free) and hand it on; then sleep if nothing more
         is actionable now."""
@@ -276,7 +232,7 @@ class Redeliverer:
             # has fenced us out of (ingest learns that at its next flush).
             await self._sleep_until_due(stopping, claimed_nothing=claimed is None)
 
-    async def _record_round(self, queued: _QueuedRound, slots: asyncio.Semaphore) -> int:
+    async def _record_round(self, queued: QueuedRound, slots: asyncio.Semaphore) -> int:
         """Record a produced round in the background; a store that stays away is logged (the
         round's entries come back when their claim lease runs out)."""
         try:
@@ -336,7 +292,7 @@ class Redeliverer:
             return 0
         return await self._record(await self._produce(claimed))
 
-    async def _claim(self) -> _ClaimedRound | None:
+    async def _claim(self) -> ClaimedRound | None:
         """Claim a batch of due entries (fenced by the partitions' epochs); None if none."""
         epochs = self._owned_epochs()
         if not epochs:
@@ -373,7 +329,7 @@ class Redeliverer:
         for entry in entries:
             if entry.due_at_ms is not None:
                 lateness.observe(max(0, now_ms - entry.due_at_ms) / 1000)
-        return _ClaimedRound(
+        return ClaimedRound(
             token=token,
             started=started,
             epochs={p: e for p, e in epochs.items() if p not in fenced},
@@ -383,7 +339,7 @@ class Redeliverer:
             full=len(claimed) >= self._batch,
         )
 
-    async def _produce(self, claimed: _ClaimedRound) -> _QueuedRound:
+    async def _produce(self, claimed: ClaimedRound) -> QueuedRound:
         """Read the round's payloads, build its copies and queue them to the producer.
 
         Entries of a markers partition this replica lost since the claim are not produced
@@ -408,7 +364,7 @@ class Redeliverer:
         )
         await batches.queue()
         self._phase["produce"].observe(time.perf_counter() - built)
-        return _QueuedRound(
+        return QueuedRound(
             claimed, now_ms, payloads, batches, sends, lost, lost_entries, retry, len(entries)
         )
 
@@ -440,7 +396,7 @@ class Redeliverer:
                 out[entry.key] = found.get(position)
         return out
 
-    async def _record(self, queued: _QueuedRound) -> int:
+    async def _record(self, queued: QueuedRound) -> int:
         """Wait for the round's copies to be acknowledged, then record the round."""
         started = time.perf_counter()
         await queued.batches.wait()
@@ -506,7 +462,7 @@ class Redeliverer:
 
     async def _finish(
         self,
-        claimed: _ClaimedRound,
+        claimed: ClaimedRound,
         *,
         done: list[EntryKey],
         dead: list[DeadLetterRecord],
@@ -539,7 +495,7 @@ class Redeliverer:
             else:
                 return
 
-    async def _release(self, claimed: _ClaimedRound, *, after_ms: int = 0) -> None:
+    async def _release(self, claimed: ClaimedRound, *, after_ms: int = 0) -> None:
         """Give a claimed round back untouched: its entries are due again (``after_ms``)."""
         now_ms = to_millis(self._clock.now())
         retry = [*claimed.later, *((e.key, now_ms + after_ms) for e in claimed.entries)]
@@ -552,7 +508,7 @@ class Redeliverer:
 
     async def _record_outcome(
         self,
-        claimed: _ClaimedRound,
+        claimed: ClaimedRound,
         *,
         done: list[EntryKey],
         dead: list[DeadLetterRecord],
@@ -598,14 +554,16 @@ class Redeliverer:
                 lost.append((claimed.key, reason))
                 lost_entries.append(claimed)
                 continue
-            first_seen = _first_seen(claimed, original)
+            first_seen = first_seen_ms(claimed, original)
             entry = (  # copying an Entry costs more than the rest of this loop: only if needed
                 claimed
                 if first_seen == claimed.first_seen_ms
                 else replace(claimed, first_seen_ms=first_seen)
             )
             plan = plan_due(entry, self._policy_for(entry.origin_topic).max_attempts)
-            target, record_headers, detail = self._outgoing(entry, plan, original, now_ms)
+            target, record_headers, detail = outgoing_record(
+                entry, plan, original, self._policy_for(entry.origin_topic), now_ms
+            )
             try:
                 if self._ensure_topic is not None and target != entry.origin_topic:
                     await self._ensure_topic(target, entry.origin_topic)
@@ -639,35 +597,6 @@ class Redeliverer:
             events.append(TrackerEvent("lost", entry, reason))
         return events
 
-    def _outgoing(
-        self, entry: Entry, plan: Plan, original: OriginalRecord, now_ms: int
-    ) -> tuple[str, list[tuple[str, bytes | None]], str]:
-        """Target topic, headers and a description of the record to produce for ``entry``."""
-        policy = self._policy_for(entry.origin_topic)
-        origin = MessageId(entry.origin_topic, entry.origin_partition, entry.origin_offset)
-        base = h.without_kmq_headers(original.headers)
-        identity = [
-            (h.ORIGIN, str(origin).encode()),
-            (h.GROUP, entry.group_id.encode()),
-            (h.FIRST_SEEN, str(entry.first_seen_ms).encode()),
-        ]
-        if plan.decision is Decision.REDELIVER:
-            target = policy.retry_for(entry.origin_topic)
-            attempt = [(h.ATTEMPT, str(plan.attempt).encode())]
-            what = "delayed message due" if entry.deferred else f"attempt {plan.attempt}"
-            return target, [*base, *identity, *attempt], f"{what} -> {target}"
-        target = policy.dlq_for(entry.origin_topic)
-        source = f"{entry.copy_topic}/{entry.copy_partition}/{entry.copy_offset}"
-        dlq = [
-            (h.DLQ_REASON, plan.reason.encode()),
-            (h.DLQ_ATTEMPTS, str(plan.attempt).encode()),
-            (h.DLQ_FIRST_SEEN, str(entry.first_seen_ms).encode()),
-            (h.DLQ_AT, str(now_ms).encode()),
-            (h.DLQ_LAST_ERROR, entry.reason.encode("utf-8", "replace")),
-            (h.DLQ_SOURCE, source.encode()),
-        ]
-        return target, [*base, *identity, *dlq], f"{plan.reason} -> {target}"
-
     async def _emit(self, events: Sequence[TrackerEvent]) -> None:
         if self._on_event is None:
             return
@@ -675,21 +604,6 @@ class Redeliverer:
             result = self._on_event(event)
             if result is not None:
                 await result
-
-
-def _first_seen(entry: Entry, original: OriginalRecord) -> int:
-    """The earliest sighting: the entry's, or the one a copy carries from earlier attempts."""
-    for name, value in original.headers:
-        if name == h.FIRST_SEEN and value and value.isdigit():
-            return min(entry.first_seen_ms, int(value))
-    return entry.first_seen_ms
-
-
-def payloads_key(
-    payloads: dict[tuple[str, str, int, int], OriginalRecord | Missing | None], entry: Entry
-) -> bytes | None:
-    original = payloads.get(entry.key)
-    return original.key if isinstance(original, OriginalRecord) else None
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:
