@@ -1,9 +1,16 @@
-"""Stand-ins for the engine's internal signals, for tests that run one loop on its own."""
+"""Stand-ins for what one engine loop talks to, for tests that run it on its own in
+milliseconds: the engine's internal signals, aiokafka's producer, and the markers consumer."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from aiokafka import TopicPartition
 
 from tracker.domain.entries import EntryKey
 
@@ -46,3 +53,133 @@ class RecordingListener:
 
     def ownership_changed(self) -> None:
         self.ownership_changes += 1
+
+
+@dataclass
+class _Batch:
+    records: list[tuple[bytes | None, bytes | None, list[Any]]] = field(default_factory=list)
+
+    def append(
+        self, *, key: bytes | None, value: bytes | None, timestamp: None, headers: list[Any]
+    ) -> SimpleNamespace:
+        self.records.append((key, value, headers))
+        return SimpleNamespace(offset=len(self.records) - 1)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class FakeProducer:
+    """What redelivery asks of aiokafka's producer: partitions, batches, sends."""
+
+    logs: dict[str, list[tuple[bytes | None, bytes | None, dict[str, bytes | None]]]] = field(
+        default_factory=dict
+    )
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        return {0}
+
+    def create_batch(self) -> _Batch:
+        return _Batch()
+
+    async def send_batch(self, batch: _Batch, topic: str, *, partition: int) -> asyncio.Future[Any]:
+        log = self.logs.setdefault(topic, [])
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(SimpleNamespace(offset=len(log)))
+        log += [(key, value, dict(hs)) for key, value, hs in batch.records]
+        return done
+
+    async def send(
+        self, topic: str, *, value: bytes | None, headers: list[Any], key: bytes | None = None
+    ) -> asyncio.Future[Any]:
+        batch = self.create_batch()
+        batch.append(key=key, value=value, timestamp=None, headers=headers)
+        return await self.send_batch(batch, topic, partition=0)
+
+
+@dataclass
+class FakeMarkersConsumer:
+    """What ingest asks of aiokafka's consumer, over an in-memory markers log.
+
+    Records are appended with :meth:`append`; :meth:`assign` and :meth:`revoke` play the
+    group's rebalances through ingest's listener. Paused partitions are not fetched.
+    """
+
+    topic: str
+    partitions: int = 1
+    logs: dict[int, list[SimpleNamespace]] = field(default_factory=dict)
+    positions: dict[int, int] = field(default_factory=dict)  #: the assigned partitions
+    paused: set[int] = field(default_factory=set)
+    committed: dict[int, int] = field(default_factory=dict)
+    polled_at: dict[int, float] = field(default_factory=dict)
+
+    def append(self, value: bytes, timestamp_ms: int, partition: int = 0) -> int:
+        log = self.logs.setdefault(partition, [])
+        log.append(
+            SimpleNamespace(
+                topic=self.topic,
+                partition=partition,
+                offset=len(log),
+                key=None,
+                value=value,
+                timestamp=timestamp_ms,
+                headers=(),
+            )
+        )
+        return len(log) - 1
+
+    async def assign(self, listener: Any, partitions: Iterable[int]) -> None:
+        tps = set()
+        for p in partitions:
+            self.positions[p] = self.committed.get(p, 0)
+            tps.add(TopicPartition(self.topic, p))
+        await listener.on_partitions_assigned(tps)
+
+    async def revoke(self, listener: Any, partitions: Iterable[int]) -> None:
+        tps = {TopicPartition(self.topic, p) for p in partitions}
+        await listener.on_partitions_revoked(tps)
+        for tp in tps:
+            self.positions.pop(tp.partition, None)
+
+    async def getmany(
+        self, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[SimpleNamespace]]:
+        fetched: dict[TopicPartition, list[SimpleNamespace]] = {}
+        for p, position in self.positions.items():
+            if p in self.paused:
+                continue
+            log = self.logs.get(p, [])
+            end = len(log) if max_records is None else min(len(log), position + max_records)
+            self.polled_at[p] = time.time() * 1000
+            if end > position:
+                fetched[TopicPartition(self.topic, p)] = log[position:end]
+                self.positions[p] = end
+        return fetched
+
+    def pause(self, *tps: TopicPartition) -> None:
+        self.paused |= {tp.partition for tp in tps}
+
+    def resume(self, *tps: TopicPartition) -> None:
+        self.paused -= {tp.partition for tp in tps}
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.positions[tp.partition] = offset
+
+    def highwater(self, tp: TopicPartition) -> int:
+        return len(self.logs.get(tp.partition, []))
+
+    def last_poll_timestamp(self, tp: TopicPartition) -> float | None:
+        return self.polled_at.get(tp.partition)
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self.positions[tp.partition]
+
+    async def commit(self, offsets: dict[TopicPartition, Any]) -> None:
+        self.committed.update({tp.partition: meta.offset for tp, meta in offsets.items()})
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return set(range(self.partitions)) if topic == self.topic else set()
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition(self.topic, p) for p in self.positions}

@@ -7,15 +7,12 @@ one, lost originals, what is recorded) is checked without a broker or a database
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
-from support.engine_parts import FixedProgress
+from support.engine_parts import FakeProducer, FixedProgress
 
 from tracker import headers as h
 from tracker.clock import ManualClock, to_millis
@@ -34,42 +31,6 @@ pytestmark = [pytest.mark.unit]
 MARKERS = "kmq-markers"
 GROUP, TOPIC = "billing", "orders"
 LEASE_MS = 1_000
-
-
-@dataclass
-class _Batch:
-    records: list[tuple[bytes | None, bytes | None, list[Any]]] = field(default_factory=list)
-
-    def append(
-        self, *, key: bytes | None, value: bytes | None, timestamp: None, headers: list[Any]
-    ) -> SimpleNamespace:
-        self.records.append((key, value, headers))
-        return SimpleNamespace(offset=len(self.records) - 1)
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass
-class FakeProducer:
-    """What redelivery asks of aiokafka's producer: partitions, batches, sends."""
-
-    logs: dict[str, list[tuple[bytes | None, bytes | None, dict[str, bytes | None]]]] = field(
-        default_factory=dict
-    )
-
-    async def partitions_for(self, topic: str) -> set[int]:
-        return {0}
-
-    def create_batch(self) -> _Batch:
-        return _Batch()
-
-    async def send_batch(self, batch: _Batch, topic: str, *, partition: int) -> asyncio.Future[Any]:
-        log = self.logs.setdefault(topic, [])
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        done.set_result(SimpleNamespace(offset=len(log)))
-        log += [(key, value, dict(hs)) for key, value, hs in batch.records]
-        return done
 
 
 @dataclass

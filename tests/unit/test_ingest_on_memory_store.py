@@ -1,0 +1,202 @@
+"""Marker ingest's loop on the in-memory store, with a fake markers consumer and producer.
+
+The same loop runs against Kafka and SQL in ``tests/integration/test_engine.py`` and the
+reliability suites; here it takes milliseconds, so what ingest decides (what it applies and
+when, what it parks, how far it says a partition is applied, what it tells redelivery, what it
+does when fenced or when the store is away) is checked without a broker or a database.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from support.engine_parts import FakeMarkersConsumer, FakeProducer, RecordingListener
+
+from tracker.clock import ManualClock, to_millis
+from tracker.domain.entries import State
+from tracker.domain.policy import ResolvedPolicy, TopicPolicy
+from tracker.engine.ingest import MarkerIngest
+from tracker.engine.parking import InvalidMarkerParker
+from tracker.headers import INVALID_CATEGORY, INVALID_SOURCE
+from tracker.ids import MessageId
+from tracker.metrics import Metrics
+from tracker.protocol import Marker, encode_any
+from tracker.protocol_v2 import RangeMarker
+from tracker.store import StoreUnavailable
+from tracker.store.memory import InMemoryStore, MemoryDatabase
+
+pytestmark = [pytest.mark.unit]
+
+MARKERS, INVALID = "kmq-markers", "kmq-markers-invalid"
+GROUP, TOPIC = "billing", "orders"
+LEASE_MS = 5_000
+POLICY = ResolvedPolicy(30_000, TopicPolicy().backoff, 3_600_000)
+
+
+class Replica:
+    """One replica's ingest: its store on a shared database, its consumer on a shared log."""
+
+    def __init__(
+        self,
+        database: MemoryDatabase,
+        consumer: FakeMarkersConsumer,
+        clock: ManualClock,
+        *,
+        name: str = "a",
+        window: float = 0.0,
+    ) -> None:
+        self.store = InMemoryStore(database)
+        self.consumer = consumer
+        self.producer = FakeProducer()
+        self.listener = RecordingListener()
+        self.metrics = Metrics()
+        self.ingest = MarkerIngest(
+            consumer=consumer,
+            store=self.store,
+            parker=InvalidMarkerParker(self.producer, INVALID, MARKERS),
+            markers_topic=MARKERS,
+            replica_id=name,
+            policy_for=lambda _topic: POLICY,
+            clock=clock,
+            metrics=self.metrics,
+            coalesce_window=window,
+            ack_grace_ms=0,
+            max_records=500,
+            max_pending=10_000,
+            listener=self.listener,
+        )
+
+    async def own(self, *partitions: int) -> None:
+        await self.consumer.assign(self.ingest.listener(), partitions)
+
+
+class Rig:
+    def __init__(self, *, window: float = 0.0) -> None:
+        self.clock = ManualClock()
+        self.database = MemoryDatabase()
+        self.log = FakeMarkersConsumer(MARKERS)
+        self.a = Replica(self.database, self.log, self.clock, window=window)
+
+    def now_ms(self) -> int:
+        return to_millis(self.clock.now())
+
+    def write(self, *markers: Marker | RangeMarker | bytes) -> None:
+        for marker in markers:
+            value = marker if isinstance(marker, bytes) else encode_any(marker)
+            self.log.append(value, self.now_ms())
+
+
+def start(offset: int) -> Marker:
+    return Marker.start(GROUP, MessageId(TOPIC, 0, offset), timeout_ms=LEASE_MS)
+
+
+def ack(offset: int) -> Marker:
+    return Marker.ack(GROUP, MessageId(TOPIC, 0, offset))
+
+
+async def test_a_start_and_its_ack_applied_together_write_nothing_but_progress() -> None:
+    rig = Rig()
+    await rig.a.own(0)
+    rig.write(start(1), ack(1))
+    assert await rig.a.ingest.poll_once() == 2
+    assert await rig.a.store.count_entries() == 0, "they cancel out in the fold"
+    assert await rig.a.store.partition_offsets(MARKERS) == {0: (1, 2)}
+    assert rig.log.committed == {0: 2}, "the markers' own offsets follow the store"
+    assert rig.a.listener.dues == [], "nothing became due"
+
+
+async def test_a_start_alone_is_tracked_to_its_lease_and_redelivery_is_told() -> None:
+    rig = Rig()
+    await rig.a.own(0)
+    written_ms = rig.now_ms()
+    rig.write(start(7))
+    rig.clock.advance(timedelta(seconds=1))  # applied later than written
+    await rig.a.ingest.poll_once()
+    [entry] = await rig.a.store.list_entries()
+    assert (entry.origin_offset, entry.state) == (7, State.IN_FLIGHT)
+    assert entry.due_at_ms == written_ms + LEASE_MS, "the lease counts from the marker's time"
+    assert rig.a.listener.dues == [written_ms + LEASE_MS]
+    assert rig.a.listener.ownership_changes == 1
+    assert rig.a.listener.horizons, "having read to the end, ingest tells how far it is safe"
+
+
+async def test_malformed_markers_are_parked_and_the_valid_ones_around_them_applied() -> None:
+    rig = Rig()
+    await rig.a.own(0)
+    rig.write(b"\x00garbage", start(3), b"\xff")
+    assert await rig.a.ingest.poll_once() == 3
+    parked = rig.a.producer.logs[INVALID]
+    assert [value for _, value, _ in parked] == [b"\x00garbage", b"\xff"], "raw bytes kept"
+    assert [headers[INVALID_SOURCE] for _, _, headers in parked] == [
+        f"{MARKERS}/0/0".encode(),
+        f"{MARKERS}/0/2".encode(),
+    ]
+    assert {headers[INVALID_CATEGORY] for _, _, headers in parked} == {b"malformed"}
+    [entry] = await rig.a.store.list_entries()
+    assert entry.origin_offset == 3
+    assert await rig.a.store.partition_offsets(MARKERS) == {0: (1, 3)}, "nothing read again"
+
+
+async def test_markers_in_the_coalescing_window_are_pending_until_flushed() -> None:
+    rig = Rig(window=60.0)
+    await rig.a.own(0)
+    rig.write(start(4))
+    await rig.a.ingest.poll_once()
+    key = (GROUP, TOPIC, 0, 4)
+    assert rig.a.ingest.pending_keys([key]) == {key}, "redelivery must not act on it yet"
+    assert await rig.a.store.count_entries() == 0
+    await rig.a.ingest.drain()
+    assert rig.a.ingest.pending_keys([key]) == set()
+    assert await rig.a.store.count_entries() == 1
+
+
+async def test_a_range_start_and_a_settle_with_an_exception_leave_one_offset_open() -> None:
+    rig = Rig()
+    await rig.a.own(0)
+    rig.write(
+        RangeMarker.start(GROUP, TOPIC, 0, 100, 199, timeout_ms=LEASE_MS),
+        RangeMarker.settle(GROUP, TOPIC, 0, 100, 199, exceptions=1 << 50),
+    )
+    await rig.a.ingest.poll_once()
+    [entry] = await rig.a.store.list_entries()
+    assert (entry.origin_offset, entry.state) == (150, State.IN_FLIGHT)
+    assert await rig.a.store.count_entries() == 1, "one row or range, not a hundred"
+
+
+async def test_a_store_outage_holds_markers_back_until_the_store_is_back() -> None:
+    rig = Rig()
+    await rig.a.own(0)
+    rig.write(start(1), start(2))
+    rig.database.unavailable = True
+    with pytest.raises(StoreUnavailable):
+        await rig.a.ingest.poll_once()
+    rig.database.unavailable = False
+    rig.write(ack(1))
+    await rig.a.ingest.poll_once()
+    [entry] = await rig.a.store.list_entries()
+    assert entry.origin_offset == 2, "the markers read during the outage were kept and applied"
+    assert await rig.a.store.partition_offsets(MARKERS) == {0: (1, 3)}
+
+
+async def test_a_fenced_replica_stops_and_the_new_owner_resumes_where_it_was_applied() -> None:
+    rig = Rig()
+    await rig.a.own(0)
+    rig.write(start(1))
+    await rig.a.ingest.poll_once()
+    # Replica b takes the partition over without a's consent (a missed its revocation); the
+    # group's committed offset is behind (a lost commit): the store's position is the one.
+    b_log = FakeMarkersConsumer(MARKERS, logs=rig.log.logs, committed={0: 0})
+    b = Replica(rig.database, b_log, rig.clock, name="b")
+    await b.own(0)
+    rig.write(ack(1), start(2))
+    await rig.a.ingest.poll_once()
+    assert rig.a.ingest.owned_epochs() == {}, "fenced: a gives the partition up"
+    assert 0 in rig.log.paused, "and stops reading it"
+    assert rig.a.listener.ownership_changes == 2
+    assert [e.origin_offset for e in await rig.a.store.list_entries()] == [1], "a wrote nothing"
+    assert await b.ingest.poll_once() == 2, "b resumed at the store's offset 1, not at 0"
+    assert b.ingest.owned_epochs() == {0: 2}
+    [entry] = await b.store.list_entries()
+    assert entry.origin_offset == 2, "b read the markers a could not apply"
+    assert await b.store.partition_offsets(MARKERS) == {0: (2, 3)}
