@@ -1,7 +1,7 @@
 /*
  * Optional C decoder for the kmq marker protocol, versions 1 and 2 (see docs/protocol.md).
  *
- * It implements exactly the rules of the pure-Python decoders (tracker/protocol.py for v1,
+ * It implements exactly the rules of the pure-Python decoders (tracker/protocol_v1_decode.py for v1,
  * tracker/protocol_v2.py for v2 range markers), with the same error messages, and builds the
  * same Marker / RangeMarker named tuples; tests/unit/test_protocol.py and
  * tests/unit/test_protocol_v2.py check that they agree on valid, corrupted and random input.
