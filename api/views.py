@@ -14,7 +14,7 @@ from tracker.store.operator_actions import ActionRecord
 from tracker.store.redrive_jobs import RedriveJobRecord
 
 from . import models
-from .ids import format_message_id
+from .message_ids import format_message_id
 from .previews import bytes_preview
 
 KEY_PREVIEW_BYTES = 256

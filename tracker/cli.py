@@ -137,7 +137,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _run_pipeline(argv: Sequence[str]) -> int:
     """Spark jobs: delivery ledger, audit, analytics report, bulk redrive (extra [spark])."""
-    from pipeline.cli import main as pipeline_main  # noqa: PLC0415
+    from pipeline.commands import main as pipeline_main  # noqa: PLC0415
 
     return pipeline_main(list(argv))
 

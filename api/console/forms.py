@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from .. import models
 from ..http_errors import ApiError
-from ..ids import format_message_id, parse_message_id
+from ..message_ids import format_message_id, parse_message_id
 from ..routes import messages, redrive
 from ..security import identify
 from .guard import ConsoleError, ConsoleRoute, Context, Session, actor, open_reads, safe_next

@@ -28,7 +28,7 @@ from tracker.store.overview import MarkersPartitionState, OverviewQueries
 from .. import models
 from ..context import ApiContext
 from ..http_errors import ApiError
-from ..ids import parse_message_id
+from ..message_ids import parse_message_id
 from ..models import TEXT_PATTERN, TOPIC_PATTERN, MessageState
 from ..routes import dlq, messages, redrive, topics
 from ..security import Principal

@@ -15,7 +15,7 @@ from tracker.store.admin_reads import DeadLetterFilter
 from ..context import not_served
 from ..deps import Context, Cursor, Limit, Reader
 from ..http_errors import ApiError
-from ..ids import decode_cursor, encode_cursor, fingerprint
+from ..message_ids import decode_cursor, encode_cursor, fingerprint
 from ..models import TEXT_PATTERN, TOPIC_PATTERN, DeadLetterDetail, DeadLetterPage
 from ..previews import payload_preview
 from ..views import dead_letter_view, position

@@ -16,13 +16,19 @@ from tracker.ids import MessageId
 from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.partitioning import markers_partition
 from tracker.store.admin_reads import EntryView
-from tracker.store.errors import IdempotencyConflict
 from tracker.store.inspection import EntryFilter, EntryOrder
+from tracker.store.store_errors import IdempotencyConflict
 
 from ..context import ApiContext, not_served
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
 from ..http_errors import ApiError
-from ..ids import decode_cursor, encode_cursor, fingerprint, format_message_id, parse_message_id
+from ..message_ids import (
+    decode_cursor,
+    encode_cursor,
+    fingerprint,
+    format_message_id,
+    parse_message_id,
+)
 from ..models import (
     TEXT_PATTERN,
     TOPIC_PATTERN,

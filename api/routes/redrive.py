@@ -14,13 +14,13 @@ from fastapi import APIRouter, Body, Path, Query, Response
 from tracker.clock import from_millis, to_millis
 from tracker.domain.jobs import ItemState, JobState
 from tracker.store.admin_reads import DeadLetterFilter
-from tracker.store.errors import IdempotencyConflict, JobNotCancellable, UnknownDeadLetters
 from tracker.store.redrive_jobs import RedriveSpec
+from tracker.store.store_errors import IdempotencyConflict, JobNotCancellable, UnknownDeadLetters
 
 from .. import models
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
 from ..http_errors import ApiError
-from ..ids import decode_cursor, encode_cursor, fingerprint
+from ..message_ids import decode_cursor, encode_cursor, fingerprint
 from ..views import job_view, position
 from . import READ_ERRORS, WRITE_ERRORS, errors
 

@@ -38,7 +38,6 @@ from support.store_steps import (
 
 from tracker.domain.entries import Entry, State
 from tracker.protocol import AnyMarker, Marker
-from tracker.store.errors import Fenced
 from tracker.store.manager import Store
 from tracker.store.memory import InMemoryStore
 from tracker.store.port import (
@@ -48,6 +47,7 @@ from tracker.store.port import (
     StoredPayload,
     TrackerStore,
 )
+from tracker.store.store_errors import Fenced
 from tracker.store.tables import (
     partitions_table,
 )

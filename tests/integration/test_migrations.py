@@ -26,7 +26,6 @@ from support.databases import PostgresTestDatabase, PostgresUnavailableError
 from support.databases import sqlite_url as make_sqlite_url
 
 from tracker.store.dialects import create_engine
-from tracker.store.errors import SchemaOutdated
 from tracker.store.migrate import (
     alembic_config,
     check_schema,
@@ -35,6 +34,7 @@ from tracker.store.migrate import (
     upgrade,
 )
 from tracker.store.models import Base
+from tracker.store.store_errors import SchemaOutdated
 from tracker.store.tables import dead_letters, tracked
 
 pytestmark = [pytest.mark.integration]

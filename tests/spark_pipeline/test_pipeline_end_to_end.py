@@ -28,7 +28,7 @@ from support.databases import sqlite_url
 
 from pipeline.audit import audit_ledger
 from pipeline.bulk_redrive import BulkRedriveJob, read_manifest, run_redrive
-from pipeline.cli import main
+from pipeline.commands import main
 from pipeline.ledger import LedgerJob, load_ledger, run_ledger
 from pipeline.ledger_fold import LedgerParams
 from pipeline.report import build_report, write_report

@@ -15,7 +15,7 @@ from support.marker_strategies import markers, range_markers
 
 from pipeline.bulk_redrive import BURST_SECONDS
 from pipeline.charts import bar_chart, hbar_chart, line_chart, nice_max
-from pipeline.cli import build_parser, duration_ms, timestamp
+from pipeline.commands import build_parser, duration_ms, timestamp
 from pipeline.decode import (
     _c_markers_batch,
     _py_markers_batch,

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from api import models
 from api.http_errors import ApiError, _is_json, _item
-from api.ids import decode_cursor, encode_cursor, format_message_id, parse_message_id
+from api.message_ids import decode_cursor, encode_cursor, format_message_id, parse_message_id
 from api.previews import bytes_preview
 from api.rates import CounterRates
 from tracker.domain.actions import ActionKind, ActionOutcome, ActionRequest, decide_action

@@ -55,9 +55,9 @@ from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
 from tracker.ratelimit import TokenBucket
 from tracker.store import StoreUnavailable
-from tracker.store.errors import LeaseLost
 from tracker.store.redrive_jobs import RedriveJobRecord
 from tracker.store.redrive_leases import ProducedItem, RedriveLeaseStore, RedriveWork
+from tracker.store.store_errors import LeaseLost
 
 log = logging.getLogger(__name__)
 

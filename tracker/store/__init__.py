@@ -1,6 +1,6 @@
 """The deadline store: SQLAlchemy models, the one manager that touches the database."""
 
-from .errors import Fenced, StoreUnavailable
 from .manager import Store
+from .store_errors import Fenced, StoreUnavailable
 
 __all__ = ["Fenced", "Store", "StoreUnavailable"]

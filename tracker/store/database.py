@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from tracker.errors import KmqError
 
 from .dialects import create_engine, is_sqlite, read_engine
-from .errors import StoreUnavailable
+from .store_errors import StoreUnavailable
 from .tables import KEY_CHUNK
 
 

@@ -41,7 +41,7 @@ from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert, Update
 from sqlalchemy.types import TypeEngine
 
-from .errors import StoreUnavailable
+from .store_errors import StoreUnavailable
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: Keys per :func:`keys_in` on SQLite (an OR chain; SQLite's expression depth limit is 1,000).

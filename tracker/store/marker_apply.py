@@ -34,9 +34,9 @@ from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .counts import CountChanges
 from .dialects import keys_in, upsert_rows
-from .errors import Fenced
 from .ownership import PartitionOwnership
 from .port import ApplyResult, PartitionProgress, PendingMarker
+from .store_errors import Fenced
 from .tables import (
     ENTRY_COLUMN_NAMES,
     ENTRY_UPDATE_COLUMNS,

@@ -35,7 +35,6 @@ from tracker.domain.ranges import (
 from tracker.protocol import RangeMarker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
-from .errors import Fenced, StoreUnavailable
 from .port import (
     ApplyResult,
     Claim,
@@ -44,6 +43,7 @@ from .port import (
     PendingMarker,
     StoredPayload,
 )
+from .store_errors import Fenced, StoreUnavailable
 
 
 @dataclass(slots=True)

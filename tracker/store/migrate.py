@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import migrations
 
 from .dialects import settle_failed_sqlite
-from .errors import MigrationRefused, SchemaOutdated, StoreUnavailable
+from .store_errors import MigrationRefused, SchemaOutdated, StoreUnavailable
 
 MIGRATIONS_DIR = Path(migrations.__file__).parent
 

@@ -34,7 +34,7 @@ from tracker.domain.entries import EntryKey, State
 
 from .admin_reads import AdminQueries, actions_table
 from .counts import CountChanges
-from .errors import IdempotencyConflict
+from .store_errors import IdempotencyConflict
 from .tables import KEY_COLUMNS, partitions_table, tracked, tracked_counts
 
 

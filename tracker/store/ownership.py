@@ -5,7 +5,7 @@ bumps the epoch (:meth:`PartitionOwnership.claim_partitions`); every later write
 partition (applying markers, claiming due entries) first updates the row *where the epoch is
 still ours* (:meth:`PartitionOwnership._fence`). On PostgreSQL that update also row-locks the
 partition, so a takeover and a write serialize; on SQLite there is one writer anyway. A
-replica whose epoch moved on gets :class:`~tracker.store.errors.Fenced`.
+replica whose epoch moved on gets :class:`~tracker.store.store_errors.Fenced`.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ The contract suite (``tests/contract/test_store_contract.py``) runs the same tes
 all three backends: what it asserts is what any store must do.
 
 The rules every adapter keeps: each call is atomic (all of it or nothing); a call for markers
-partitions whose epoch moved on raises :class:`~tracker.store.errors.Fenced` (``apply``) or
+partitions whose epoch moved on raises :class:`~tracker.store.store_errors.Fenced` (``apply``) or
 reports them (``claim_due``) and changes nothing there; a backend that is unreachable raises
-:class:`~tracker.store.errors.StoreUnavailable`.
+:class:`~tracker.store.store_errors.StoreUnavailable`.
 """
 
 from __future__ import annotations

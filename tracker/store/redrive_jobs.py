@@ -38,7 +38,7 @@ from .admin_reads import (
     items_table,
     jobs_table,
 )
-from .errors import IdempotencyConflict, JobNotCancellable, UnknownDeadLetters
+from .store_errors import IdempotencyConflict, JobNotCancellable, UnknownDeadLetters
 from .tables import dead_letters
 
 

@@ -25,8 +25,8 @@ from .admin_reads import (
     items_table,
     jobs_table,
 )
-from .errors import LeaseLost
 from .redrive_jobs import RedriveJobRecord, RedriveJobStore, job_record
+from .store_errors import LeaseLost
 from .tables import dead_letters
 
 #: Where each item of a batch was produced (executemany; bind names differ from columns).
