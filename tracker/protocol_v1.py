@@ -62,12 +62,12 @@ class MarkerKind(enum.IntEnum):
 KINDS_BY_BYTE = (None, *MarkerKind)  # index by the wire byte; index 0 is not a kind
 
 # version, kind, flags, attempt, partition, offset, topic length
-HEAD = struct.Struct(">BBBHiqH")
-HEAD_SIZE = HEAD.size  # 19
-ORIGIN = struct.Struct(">iqH")  # origin partition, origin offset, origin topic length
-U32 = struct.Struct(">I")
-U64 = struct.Struct(">Q")
-U16 = struct.Struct(">H")
+HEAD_STRUCT = struct.Struct(">BBBHiqH")
+HEAD_SIZE = HEAD_STRUCT.size  # 19
+ORIGIN_STRUCT = struct.Struct(">iqH")  # origin partition, origin offset, origin topic length
+U32_STRUCT = struct.Struct(">I")
+U64_STRUCT = struct.Struct(">Q")
+U16_STRUCT = struct.Struct(">H")
 
 
 class Marker(NamedTuple):
@@ -256,7 +256,7 @@ def _check_position(marker: Marker) -> None:
     _check_int(marker.origin_offset, "origin offset", 0, MAX_OFFSET)
 
 
-_pack_head = HEAD.pack
+_pack_head = HEAD_STRUCT.pack
 
 
 def encode_marker(marker: Marker) -> bytes:
@@ -309,22 +309,27 @@ def encode_marker(marker: Marker) -> bytes:
         raise MarkerError("a redelivered copy (attempt > 1) must name its origin")
 
     parts = [_pack_head(VERSION, kind, flags, attempt, partition, offset, len(topic)), topic]
-    parts += [U16.pack(len(group)), group]
+    parts += [U16_STRUCT.pack(len(group)), group]
     if has_origin:
         origin_topic = _check_topic(marker.origin_topic, "origin topic")
-        parts += [ORIGIN.pack(origin_partition, origin_offset, len(origin_topic)), origin_topic]
+        parts += [
+            ORIGIN_STRUCT.pack(origin_partition, origin_offset, len(origin_topic)),
+            origin_topic,
+        ]
 
     if kind is MarkerKind.START:
         timeout = _check_int(marker.timeout_ms, "timeout_ms", 0, MAX_TIMEOUT_MS)
         consumer = _check_text(marker.consumer, "consumer", MAX_CONSUMER_LENGTH)
-        parts += [U32.pack(timeout), U16.pack(len(consumer)), consumer]
+        parts += [U32_STRUCT.pack(timeout), U16_STRUCT.pack(len(consumer)), consumer]
     elif kind is MarkerKind.EXTEND:
-        parts.append(U32.pack(_check_int(marker.timeout_ms, "timeout_ms", 1, MAX_TIMEOUT_MS)))
+        parts.append(
+            U32_STRUCT.pack(_check_int(marker.timeout_ms, "timeout_ms", 1, MAX_TIMEOUT_MS))
+        )
     elif kind is MarkerKind.DELAY:
         delay = _check_int(marker.delay_ms, "delay_ms", 0, MAX_DELAY_MS)
         reason = _check_text(marker.reason, "reason", MAX_REASON_LENGTH)
-        parts += [U64.pack(delay), U16.pack(len(reason)), reason]
+        parts += [U64_STRUCT.pack(delay), U16_STRUCT.pack(len(reason)), reason]
     elif kind is MarkerKind.REJECT:
         reason = _check_text(marker.reason, "reason", MAX_REASON_LENGTH)
-        parts += [U16.pack(len(reason)), reason]
+        parts += [U16_STRUCT.pack(len(reason)), reason]
     return b"".join(parts)

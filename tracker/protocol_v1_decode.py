@@ -21,13 +21,13 @@ from tracker.protocol_v1 import (
     FLAG_DEFERRED,
     FLAG_HAS_ORIGIN,
     FLAG_POLICY_DELAY,
-    HEAD,
     HEAD_SIZE,
+    HEAD_STRUCT,
     KINDS_BY_BYTE,
     KNOWN_FLAGS,
-    ORIGIN,
-    U32,
-    U64,
+    ORIGIN_STRUCT,
+    U32_STRUCT,
+    U64_STRUCT,
     VERSION,
     Marker,
 )
@@ -72,10 +72,10 @@ def _refuse_head(  # noqa: PLR0917 - mirrors the head tuple
 
 
 _new_marker = tuple.__new__
-_unpack_head = HEAD.unpack_from
-_unpack_origin = ORIGIN.unpack_from
-_unpack_u32 = U32.unpack_from
-_unpack_u64 = U64.unpack_from
+_unpack_head = HEAD_STRUCT.unpack_from
+_unpack_origin = ORIGIN_STRUCT.unpack_from
+_unpack_u32 = U32_STRUCT.unpack_from
+_unpack_u64 = U64_STRUCT.unpack_from
 
 
 def py_decode_marker(value: bytes | bytearray | memoryview | None) -> Marker:  # noqa: PLR0915

@@ -28,7 +28,11 @@ from api.context import ApiContext, Closer, close_all, kafka_reads
 from api.server import bind_http, serve
 from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.clock import Clock, SystemClock
-from tracker.engine.connections import EngineConnections, markers_fetch_options
+from tracker.engine.connections import (
+    EngineConnections,
+    markers_fetch_options,
+    markers_poll_wait,
+)
 from tracker.engine.process import EventHook, Tracker
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.kafka.client_security import kafka_client_options
@@ -77,6 +81,8 @@ def engine_connections(settings: TrackerSettings) -> EngineConnections:
         producer=_producer(settings, config),
         originals=OriginalsReader(bootstrap, client_config=config),
         scanner=PartitionScanner(bootstrap, client_config=config),
+        client_config=config,
+        markers_poll_wait=markers_poll_wait(settings, config),
     )
 
 

@@ -145,6 +145,7 @@ class FakeMarkersConsumer:
     async def getmany(
         self, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[SimpleNamespace]]:
+        await asyncio.sleep(0)  # a fetch lets the loop run, as a real one does
         fetched: dict[TopicPartition, list[SimpleNamespace]] = {}
         for p, position in self.positions.items():
             if p in self.paused:
@@ -166,7 +167,10 @@ class FakeMarkersConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.positions[tp.partition] = offset
 
-    def highwater(self, tp: TopicPartition) -> int:
+    def highwater(self, tp: TopicPartition) -> int | None:
+        """The log's end as of the last fetch (None before any, as aiokafka answers)."""
+        if tp.partition not in self.polled_at:
+            return None
         return len(self.logs.get(tp.partition, []))
 
     def last_poll_timestamp(self, tp: TopicPartition) -> float | None:

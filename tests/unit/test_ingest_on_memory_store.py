@@ -100,7 +100,9 @@ async def test_a_start_and_its_ack_applied_together_write_nothing_but_progress()
     await rig.a.own(0)
     rig.write(start(1), ack(1))
     assert await rig.a.ingest.poll_once() == 2
-    assert await rig.a.store.count_entries() == 0, "they cancel out in the fold"
+    assert await rig.a.store.count_entries() == 0
+    coalesced = rig.a.metrics.markers_coalesced._value.get()
+    assert coalesced == 2, "they cancelled out in the fold: nothing was written for them"
     assert await rig.a.store.partition_offsets(MARKERS) == {0: (1, 2)}
     assert rig.log.committed == {0: 2}, "the markers' own offsets follow the store"
     assert rig.a.listener.dues == [], "nothing became due"
@@ -143,9 +145,11 @@ async def test_markers_in_the_coalescing_window_are_pending_until_flushed() -> N
     await rig.a.own(0)
     rig.write(start(4))
     await rig.a.ingest.poll_once()
+    await rig.a.ingest.poll_once()  # the first poll's background flush has run by now
     key = (GROUP, TOPIC, 0, 4)
     assert rig.a.ingest.pending_keys([key]) == {key}, "redelivery must not act on it yet"
-    assert await rig.a.store.count_entries() == 0
+    assert await rig.a.store.count_entries() == 0, "still in the window: not applied"
+    assert rig.log.committed.get(0, 0) == 0, "no offset moves past the held marker"
     await rig.a.ingest.drain()
     assert rig.a.ingest.pending_keys([key]) == set()
     assert await rig.a.store.count_entries() == 1
@@ -161,7 +165,9 @@ async def test_a_range_start_and_a_settle_with_an_exception_leave_one_offset_ope
     await rig.a.ingest.poll_once()
     [entry] = await rig.a.store.list_entries()
     assert (entry.origin_offset, entry.state) == (150, State.IN_FLIGHT)
-    assert await rig.a.store.count_entries() == 1, "one row or range, not a hundred"
+    [kept] = await rig.a.store.list_ranges()
+    assert (kept.base_offset, kept.open_count) == (150, 1), "one range, not a row per offset"
+    assert rig.database.entries == {}
 
 
 async def test_a_store_outage_holds_markers_back_until_the_store_is_back() -> None:
@@ -171,6 +177,8 @@ async def test_a_store_outage_holds_markers_back_until_the_store_is_back() -> No
     rig.database.unavailable = True
     with pytest.raises(StoreUnavailable):
         await rig.a.ingest.poll_once()
+    assert rig.log.committed == {}, "no offset moves past markers that were not applied"
+    assert rig.a.ingest.pending_keys([(GROUP, TOPIC, 0, 1)]) == {(GROUP, TOPIC, 0, 1)}
     rig.database.unavailable = False
     rig.write(ack(1))
     await rig.a.ingest.poll_once()

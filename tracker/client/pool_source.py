@@ -60,7 +60,7 @@ class BatchSource(Protocol):
 
 
 class ConsumerBatchSource:
-    """The :class:`~tracker.client.workers.BatchSource` of a consumer's worker pool."""
+    """The :class:`BatchSource` of a consumer's worker pool."""
 
     def __init__(
         self,

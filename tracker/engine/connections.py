@@ -60,3 +60,9 @@ class EngineConnections:
     originals: OriginalsReader
     #: cluster metadata and end offsets (output topics' partitions, redrive scans)
     scanner: PartitionScanner
+    #: the security options every client of the replica was built with (the tracker's own
+    #: admin clients take them too: topic catalog, topic creation)
+    client_config: dict[str, Any]
+    #: how long one poll of the markers waits: no longer than ``markers_consumer`` fetches
+    #: wait (:func:`markers_poll_wait`)
+    markers_poll_wait: float

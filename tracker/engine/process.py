@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from tracker.clock import Clock, SystemClock
-from tracker.engine.connections import EngineConnections, markers_poll_wait
+from tracker.engine.connections import EngineConnections
 from tracker.engine.ingest import MarkerIngest
 from tracker.engine.parking import InvalidMarkerParker
 from tracker.engine.payloads import PayloadKeeper
@@ -28,7 +28,6 @@ from tracker.engine.redelivery_rounds import TrackerEvent
 from tracker.engine.redrive_runner import RedriveRunner
 from tracker.engine.topic_catalog import TopicCatalog
 from tracker.engine.topic_setup import OutputTopics, prepare_tracker_topics
-from tracker.kafka.client_security import kafka_client_options
 from tracker.kafka.clients import stop_consumer
 from tracker.metrics import Metrics
 from tracker.ports import EngineHealth
@@ -113,7 +112,7 @@ class Tracker:
         self._producer = connections.producer
         self.originals = connections.originals
         self.scanner = connections.scanner
-        self._client_config: dict[str, Any] = kafka_client_options(settings)
+        self._client_config = connections.client_config
         self.catalog = TopicCatalog(settings, client_config=self._client_config)
         self.ingest = MarkerIngest(
             consumer=self._consumer,
@@ -132,7 +131,7 @@ class Tracker:
             max_pending=settings.max_pending_markers,
             check_marker=self.catalog,
             listener=EngineWakeups(self),
-            poll_wait=markers_poll_wait(settings, self._client_config),
+            poll_wait=connections.markers_poll_wait,
         )
         self.output_topics = OutputTopics(
             settings, scanner=self.scanner, metrics=self.metrics, client_config=self._client_config
