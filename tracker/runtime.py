@@ -68,6 +68,7 @@ def engine_connections(settings: TrackerSettings) -> EngineConnections:
     """The store and Kafka clients of one replica, not yet started (the tracker starts them)."""
     config = kafka_client_options(settings)
     bootstrap = settings.kafka_bootstrap_servers
+    fetch = markers_fetch_options(settings, config)
     return EngineConnections(
         store=Store.from_url(settings.database_url),
         markers_consumer=AIOKafkaConsumer(
@@ -76,13 +77,13 @@ def engine_connections(settings: TrackerSettings) -> EngineConnections:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             client_id=f"kmq-tracker-{settings.replica_id}",
-            **markers_fetch_options(settings, config),
+            **fetch,
         ),
         producer=_producer(settings, config),
         originals=OriginalsReader(bootstrap, client_config=config),
         scanner=PartitionScanner(bootstrap, client_config=config),
         client_config=config,
-        markers_poll_wait=markers_poll_wait(settings, config),
+        markers_poll_wait=markers_poll_wait(fetch),
     )
 
 

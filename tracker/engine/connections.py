@@ -40,11 +40,11 @@ def markers_fetch_options(
     return {**MARKERS_FETCH, **client_config, **settings.kafka_consumer_config}
 
 
-def markers_poll_wait(settings: TrackerSettings, client_config: dict[str, Any]) -> float:
-    """How long one poll of the markers waits: no longer than a fetch does (the horizon
-    moves with each answer)."""
-    wait_ms = markers_fetch_options(settings, client_config).get("fetch_max_wait_ms", 500)
-    return max(0.01, int(wait_ms) / 1000)
+def markers_poll_wait(fetch_options: dict[str, Any]) -> float:
+    """How long one poll of the markers waits, for a consumer built with ``fetch_options``:
+    no longer than its fetches do (the horizon moves with each answer; 500 ms is aiokafka's
+    default ``fetch_max_wait_ms``)."""
+    return max(0.01, int(fetch_options.get("fetch_max_wait_ms", 500)) / 1000)
 
 
 @dataclass(frozen=True)
