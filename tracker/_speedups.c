@@ -8,6 +8,9 @@
  * When this module is not built, the pure-Python decoders are used; nothing else changes.
  *
  * configure(marker_cls, kinds, error_cls, range_cls, range_kinds) must be called once first.
+ *
+ * untrack_all(list) is the client's: it takes fetched records out of the cyclic GC's lists
+ * while the client holds them (see tracker/client/gc_untrack.py for why and when it is safe).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -811,19 +814,36 @@ static PyObject *configure(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *untrack_all(PyObject *module, PyObject *arg) {
+    if (!PyList_CheckExact(arg)) {
+        PyErr_SetString(PyExc_TypeError, "untrack_all() takes a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(arg, i);
+        if (PyObject_IS_GC(item) && PyObject_GC_IsTracked(item)) {
+            PyObject_GC_UnTrack(item);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_O, "Decode one marker value (see tracker.protocol.decode_marker)."},
     {"decode_many", decode_many, METH_O,
      "decode_many(values) -> (markers, [(index, message), ...]) (see tracker.protocol.decode_batch)."},
     {"marker_columns", marker_columns, METH_O,
      "marker_columns(markers) -> column buffers, one row per message (see pipeline.decode)."},
+    {"untrack_all", untrack_all, METH_O,
+     "untrack_all(items): take each item out of the cyclic GC (see tracker.client.gc_untrack)."},
     {"configure", configure, METH_VARARGS,
      "configure(marker_cls, kinds, error_cls, range_cls, range_kinds)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "tracker._speedups", "C decoder for kmq markers.", -1, methods,
+    PyModuleDef_HEAD_INIT, "tracker._speedups", "C decoder for kmq markers; GC untracking of fetched records.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

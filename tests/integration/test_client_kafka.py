@@ -7,7 +7,7 @@ import collections
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -359,7 +359,7 @@ async def test_a_revoked_partitions_prefetched_batches_are_not_handed_over(
     async with first:
         # A fast application: the pipeline measures it and fetches ahead.
         for _ in range(3):
-            batch = await collect(first, 1)
+            batch: Sequence[KmqMessage] = await collect(first, 1)
             processed["first"] += [(m.partition, m.offset) for m in batch]
             await first.ack_all()
         pipeline = first._pipeline

@@ -24,7 +24,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -411,7 +411,7 @@ class ResilientWorker(Worker):
             except (KmqError, KafkaError) as exc:
                 self.last_error = repr(exc)
 
-    async def _settle(self, messages: list[KmqMessage]) -> None:
+    async def _settle(self, messages: Sequence[KmqMessage]) -> None:
         decided = [(m, self._should_ack(m)) for m in messages]
         to_ack = [m for m, ack in decided if ack]
         results = await asyncio.gather(*(m.ack(wait=True) for m in to_ack), return_exceptions=True)

@@ -1,7 +1,7 @@
 """The client's protocol v2 planning, hand-over and settling, without a broker.
 
 A fetched partition batch becomes ranges and *runs* (``plan_ranges``), the runs become
-messages (``messages_of``), acks become bytes and then RANGE_SETTLEs (``RangeBook``). The fast
+messages (``MessageBatch``), acks become bytes and then RANGE_SETTLEs (``RangeBook``). The fast
 path (a batch of consecutive first deliveries, planned without a look at each record) and the
 general one (gaps, copies, other groups' copies, delayed messages) must hand over and cover
 exactly the same messages: what is handed over is what a START covers, what is acked is what a
@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.records import RECORDS_AT, FakeRecord
 
-from tracker.client.message import KmqMessage, MessageContext, messages_of
+from tracker.client.message import KmqMessage, MessageContext
+from tracker.client.message_batch import MessageBatch
 from tracker.client.open_ranges import OPEN, RangeBook
 from tracker.client.planning import plan_ranges
 from tracker.errors import AlreadySettled
@@ -95,7 +96,7 @@ def test_what_is_handed_over_is_exactly_what_is_covered(spec: list[tuple[int, st
     plan = _plan(records)
     _, _, context = _context()
     loose: list[KmqMessage] = []
-    messages = messages_of(plan.deliver, context, loose)
+    messages = MessageBatch(plan.deliver, context, loose)
 
     handed = [o for o, kind in kinds.items() if kind in ("first", "first-with-headers", "copy")]
     firsts = {o for o, kind in kinds.items() if kind.startswith("first")}
@@ -126,14 +127,15 @@ def test_a_settle_covers_exactly_the_acked_messages(size: int, data: st.DataObje
     offsets = [5 + (3 * i if gaps else i) for i in range(size)]
     acked = data.draw(st.sets(st.sampled_from(offsets)))
     diverged = data.draw(st.sets(st.sampled_from(offsets))) - acked
+    once = data.draw(st.booleans())  # as ``async for`` reads a batch, or as a sequence
 
     async def scenario() -> list[RangeMarker]:
         sink, book, context = _context()
         plan = _plan([_record(o, "first") for o in offsets])
-        messages = messages_of(plan.deliver, context, [])
+        batch = MessageBatch(plan.deliver, context, [])
         for opened in plan.ranges:
             book.add(opened)
-        for message in messages:
+        for message in batch.each_once() if once else batch:
             if message.offset in acked:
                 await message.ack()
                 assert message.settled is MarkerKind.ACK
@@ -150,10 +152,53 @@ def test_a_settle_covers_exactly_the_acked_messages(size: int, data: st.DataObje
     assert sorted(settled) == sorted(acked), "each ack in exactly one SETTLE, nothing else"
 
 
+def test_a_batch_is_a_sequence_that_shows_the_same_message_objects_every_time() -> None:
+    _, _, context = _context()
+    offsets = [*range(40, 45), 47, 48]
+    records = [_record(o, "first") for o in offsets] + [_record(49, "copy")]
+    plan = _plan(records)
+    loose: list[KmqMessage] = []
+    batch = MessageBatch(plan.deliver, context, loose)
+    assert len(batch) == 8
+    assert [m.offset for m in loose] == [49], "a copy is settled on its own"
+    first = batch[0]
+    assert batch[0] is first
+    assert batch[-1] is loose[0]
+    assert [m.offset for m in batch] == [*offsets, 49]
+    assert list(batch) == batch[:]
+    assert all(a is b for a, b in zip(batch, batch, strict=True))
+    assert batch == list(batch)
+    assert batch != list(batch)[1:]
+    assert batch != "not a batch"
+    assert list(batch.each_once()) == list(batch), "once the batch made them, the same ones"
+    assert MessageBatch([], context, []) == []
+
+
+def test_a_batch_read_once_makes_each_message_as_it_is_reached() -> None:
+    sink, book, context = _context()
+    plan = _plan([_record(o, "first") for o in range(10, 20)] + [_record(20, "copy")])
+    loose: list[KmqMessage] = []
+    batch = MessageBatch(plan.deliver, context, loose)
+    once = list(batch.each_once())
+    assert [m.offset for m in once] == list(range(10, 21))
+    assert once[-1] is loose[0], "the copy is the one ``ack_all`` acks"
+    again = list(batch.each_once())
+    assert again[0] is not once[0], "not kept: read once, each message is freed when dropped"
+    for opened in plan.ranges:
+        book.add(opened)
+    asyncio.run(once[3].ack())
+    assert again[3].settled is MarkerKind.ACK, "the settled state is the range's byte"
+    with pytest.raises(AlreadySettled):
+        asyncio.run(again[3].ack())
+    book.flush()
+    [settle] = [m for m in sink.markers if isinstance(m, RangeMarker)]
+    assert list(settle.offsets()) == [13]
+
+
 async def test_a_second_ack_of_a_range_message_is_refused_and_sends_nothing() -> None:
     sink, book, context = _context()
     plan = _plan([_record(o, "first") for o in range(10, 20)])
-    messages = messages_of(plan.deliver, context, [])
+    messages = MessageBatch(plan.deliver, context, [])
     await messages[3].ack()
     with pytest.raises(AlreadySettled):
         await messages[3].ack()

@@ -39,15 +39,17 @@ from tracker.ids import MessageId, is_valid_topic
 from tracker.kafka.clients import stop_consumer
 from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker
 
+from .gc_untrack import records_untracker
 from .group_membership import GroupTimeouts, RebalanceCounter
 from .handlers import Handler, HandlerCaller
 from .marker_sink import KafkaMarkerSink, MarkerSink
-from .message import KmqMessage, MessageContext, messages_of
+from .message import KmqMessage, MessageContext
+from .message_batch import MessageBatch, each_once
 from .offset_commits import OffsetCommits, offsets_past
 from .open_ranges import OpenRange, RangeBook
 from .ordering import Ordering
 from .pipeline import StartPipeline
-from .planning import Action, Planned, RangePlan, SeenCopies, plan_batch, plan_ranges
+from .planning import Action, Planned, RangePlan, Run, SeenCopies, plan_batch, plan_ranges
 from .pool_config import PoolSettings, WorkerStats, checked_run_options
 from .pool_source import ConsumerBatchSource, TakenBatch
 from .prepared_batches import PreparedBatch, prefetch_seconds, value_bytes
@@ -167,6 +169,7 @@ class KmqConsumer:
                 "enable_auto_commit": False,
             },
         )
+        self._untrack = records_untracker(consumer_config or {})
         # aiokafka's own bound on a fetch; the pipeline holds no more than that ahead either.
         self._fetch_max_bytes = int(
             (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
@@ -293,10 +296,13 @@ class KmqConsumer:
 
     # -- consuming ------------------------------------------------------------------------
 
-    async def getmany(self, wait: timedelta | None = None) -> list[KmqMessage]:
+    async def getmany(self, wait: timedelta | None = None) -> Sequence[KmqMessage]:
         """Fetch one batch (waiting up to ``wait``) and return the messages ready for the app.
 
         May return an empty list (nothing fetched, or everything was deferred or skipped).
+        With range markers the batch is a :class:`~tracker.client.message_batch.MessageBatch`:
+        a sequence whose messages are made when first looked at (settling it whole with
+        :meth:`ack_all` makes none).
         Raises :class:`MarkerWriteFailed` if the broker did not acknowledge the markers; the
         batch is then not handed over and will be fetched again.
         """
@@ -452,6 +458,8 @@ class KmqConsumer:
         fetched: dict[Any, list[Any]] = await self._consumer.getmany(
             timeout_ms=self._fetch_timeout_ms, max_records=self._max_batch
         )
+        if self._untrack is not None:  # held ahead of the app: out of the GC's sight
+            self._untrack(fetched)
         return fetched
 
     def _plan_ranges(
@@ -496,17 +504,18 @@ class KmqConsumer:
             for marker in prepared.extensions(self._timeout_ms):
                 self._sink.send_later(marker)
             at = time.monotonic()
-        messages: list[KmqMessage] = []
         ranges: list[OpenRange] = []
-        loose: list[KmqMessage] = []
-        book, context = self._book, self._context
+        runs: list[Run] = []
+        book = self._book
         for plan in prepared.plans:
             self.deferred += plan.deferred
             self.skipped += plan.skipped
             for whole in plan.ranges:
                 book.add(whole)
             ranges += plan.ranges
-            messages += messages_of(plan.deliver, context, loose)
+            runs += plan.deliver
+        loose: list[KmqMessage] = []
+        messages = MessageBatch(runs, self._context, loose)
         if loose:
             self._loose = [m for m in self._loose if m.settled is None] + loose
         return TakenBatch(messages, ranges, loose, at) if messages else None
@@ -550,7 +559,7 @@ class KmqConsumer:
             if batch and tp in assigned:
                 self._consumer.seek(tp, batch[0].offset)
 
-    async def batches(self) -> AsyncIterator[list[KmqMessage]]:
+    async def batches(self) -> AsyncIterator[Sequence[KmqMessage]]:
         """Yield non-empty batches of messages until the consumer is stopped."""
         while self._running:
             messages = await self.getmany()
@@ -559,7 +568,7 @@ class KmqConsumer:
 
     async def __aiter__(self) -> AsyncIterator[KmqMessage]:
         async for batch in self.batches():
-            for message in batch:
+            for message in each_once(batch):  # each made when reached, not kept by the batch
                 yield message
 
     # -- introspection --------------------------------------------------------------------

@@ -6,7 +6,6 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
-from itertools import repeat
 from typing import Any
 
 from tracker.clock import from_millis
@@ -24,7 +23,6 @@ from tracker.protocol import (
 
 from .marker_sink import MarkerSink
 from .open_ranges import ACKED, DIVERGED, OPEN, SENT, OpenRange, RangeBook
-from .planning import Run
 
 log = logging.getLogger(__name__)
 
@@ -308,25 +306,6 @@ class KmqMessage:
         else:
             if self.settled is None:
                 await self.ack()
-
-
-def messages_of(
-    runs: Iterable[Run], context: MessageContext, loose: list[KmqMessage]
-) -> list[KmqMessage]:
-    """The messages of a planned batch's runs, in fetch order.
-
-    A run that a range covers becomes its messages without a loop in Python; a message
-    settled per message (a copy) is appended to ``loose`` too (what ``ack_all`` must ack).
-    """
-    messages: list[KmqMessage] = []
-    for opened, records, origin, attempt in runs:
-        if opened is not None:
-            messages += map(KmqMessage, records, repeat(context), repeat(opened))
-        else:
-            message = KmqMessage(records[0], context, None, origin, attempt)
-            loose.append(message)
-            messages.append(message)
-    return messages
 
 
 def extensions(

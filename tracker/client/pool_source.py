@@ -28,7 +28,7 @@ from .prepared_batches import PreparedBatch
 class TakenBatch:
     """A batch handed over by the consumer: STARTed, its offsets committed or on their way."""
 
-    messages: list[KmqMessage]
+    messages: Sequence[KmqMessage]  #: a MessageBatch (range markers) or a list (v1)
     ranges: list[OpenRange]  #: the range STARTs covering most of them
     loose: list[KmqMessage]  #: the ones settled per message (copies)
     at: float  #: ``time.monotonic()`` when their STARTs were sent: their leases run from then

@@ -44,6 +44,7 @@ from tracker.protocol import AnyMarker
 
 from .handlers import HandlerCaller, HandlerReturnedAwaitable, RejectMessage, RetryMessage
 from .message import KmqMessage, extensions, releases
+from .message_batch import each_once
 from .open_ranges import OpenRange
 from .ordering import Lanes, lane_function
 from .pool_config import PoolSettings, WorkerStats
@@ -168,7 +169,7 @@ class WorkerPool:
             if batch is None:
                 continue
             if self._stop:
-                self._release([_Job(m, _Lease([], [], 0, 0)) for m in batch.messages])
+                self._release([_Job(m, _Lease([], [], 0, 0)) for m in each_once(batch.messages)])
             else:
                 self._add(batch)
 
@@ -204,7 +205,7 @@ class WorkerPool:
         lease = _Lease(batch.ranges, batch.loose, batch.at, len(batch.messages))
         self._leases.append(lease)
         add = self._lanes.add
-        for message in batch.messages:
+        for message in each_once(batch.messages):
             add(_Job(message, lease))
         self._dispatch()
 

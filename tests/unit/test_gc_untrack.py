@@ -1,0 +1,69 @@
+"""Fetched records held ahead of the application are out of the cyclic GC (gc_untrack).
+
+What a user relies on: the records are still freed as soon as nothing holds them (reference
+counting), nothing is untracked when a deserializer could make a record part of a cycle, and a
+consumer without the C extension behaves the same, only slower.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from typing import Any
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.structs import ConsumerRecord
+
+from tracker.client import gc_untrack
+from tracker.client.gc_untrack import records_untracker
+
+BUILT = gc_untrack._untrack_all is not None
+
+
+def _records(n: int) -> list[Any]:
+    return [
+        ConsumerRecord("orders", 0, i, 0, 0, None, b"v", None, -1, 1, (("h", b"x"),))
+        for i in range(n)
+    ]
+
+
+def test_the_c_untracking_is_built_where_required() -> None:
+    """CI sets KMQ_REQUIRE_SPEEDUPS: there records must be untracked, not silently tracked."""
+    if os.environ.get("KMQ_REQUIRE_SPEEDUPS") and not os.environ.get("KMQ_PURE_PYTHON"):
+        assert BUILT
+
+
+@pytest.mark.skipif(not BUILT, reason="the C extension is not built (checked above under CI)")
+def test_untracked_records_are_still_freed_when_dropped() -> None:
+    untrack = records_untracker({"fetch_max_bytes": 1 << 20})
+    assert untrack is not None
+    fetched = {TopicPartition("orders", 0): _records(500), TopicPartition("orders", 1): []}
+    refs = [weakref.ref(r) for r in fetched[TopicPartition("orders", 0)]]
+    untrack(fetched)
+    assert not any(gc.is_tracked(r) for r in fetched[TopicPartition("orders", 0)])
+    assert gc.is_tracked(fetched[TopicPartition("orders", 0)]), "the batch list itself stays"
+    del fetched
+    assert all(ref() is None for ref in refs), "reference counting frees them, no GC needed"
+
+
+@pytest.mark.parametrize("option", ["key_deserializer", "value_deserializer"])
+def test_nothing_is_untracked_when_a_deserializer_can_put_any_object_in_a_record(
+    option: str,
+) -> None:
+    assert records_untracker({option: bytes.decode}) is None
+
+
+def test_without_the_c_extension_records_stay_tracked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KMQ_PURE_PYTHON", "1")
+    assert gc_untrack._c_untrack_all() is None
+    monkeypatch.setattr(gc_untrack, "_untrack_all", None)
+    assert records_untracker({}) is None
+
+
+@pytest.mark.skipif(not BUILT, reason="the C extension is not built (checked above under CI)")
+def test_the_c_function_refuses_what_is_not_a_list() -> None:
+    assert gc_untrack._untrack_all is not None
+    with pytest.raises(TypeError, match="takes a list"):
+        gc_untrack._untrack_all(tuple(_records(2)))  # type: ignore[arg-type]
