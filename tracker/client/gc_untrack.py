@@ -18,6 +18,11 @@ deserializer a value may be any object, which the application could make refer t
 message (and so to the record): a cycle the collector would no longer see. So the consumer
 untracks only when it has no deserializers; nothing else changes either way.
 
+The lists that hold them are untracked too (they hold nothing else, and the client never
+changes them): a collection that walks a list touches the header of every item in it, tracked
+or not, and tens of thousands of records held ahead made each full collection cost ~10 ms of
+cache misses.
+
 The work is done by ``tracker._speedups`` (a loop in C over each batch); without the C
 extension (or with ``KMQ_PURE_PYTHON`` set) records stay tracked, which is correct, only
 slower.
@@ -34,7 +39,7 @@ from typing import Any
 DESERIALIZERS = ("key_deserializer", "value_deserializer")
 
 
-def _c_untrack_all() -> Callable[[list[Any]], None] | None:
+def _c_untrack_list() -> Callable[[list[Any]], None] | None:
     if os.environ.get("KMQ_PURE_PYTHON"):
         return None
     try:
@@ -42,11 +47,11 @@ def _c_untrack_all() -> Callable[[list[Any]], None] | None:
         speedups = importlib.import_module("tracker._speedups")
     except ImportError:
         return None
-    untrack: Callable[[list[Any]], None] | None = getattr(speedups, "untrack_all", None)
+    untrack: Callable[[list[Any]], None] | None = getattr(speedups, "untrack_list", None)
     return untrack
 
 
-_untrack_all = _c_untrack_all()
+_untrack_list = _c_untrack_list()
 
 
 def records_untracker(
@@ -54,9 +59,9 @@ def records_untracker(
 ) -> Callable[[Mapping[Any, list[Any]]], None] | None:
     """What takes a fetched batch's records out of the GC, or None where it must not (a
     deserializer is configured) or cannot (no C extension)."""
-    if _untrack_all is None or any(consumer_config.get(name) for name in DESERIALIZERS):
+    if _untrack_list is None or any(consumer_config.get(name) for name in DESERIALIZERS):
         return None
-    untrack = _untrack_all
+    untrack = _untrack_list
 
     def untrack_fetched(fetched: Mapping[Any, list[Any]]) -> None:
         for records in fetched.values():
