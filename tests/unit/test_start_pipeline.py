@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from tracker.client.pipeline import InFlight, StartPipeline
+from tracker.client.pipeline import (
+    MIN_AHEAD_S,
+    READY_COVER,
+    InFlight,
+    StartPipeline,
+    seconds_ahead,
+)
 from tracker.errors import MarkerWriteFailed
 
 pytestmark = pytest.mark.unit
@@ -104,6 +110,27 @@ async def test_a_fast_application_gets_the_whole_depth_ahead() -> None:
     await _settle(lambda: source.fetches == 3 + 8 + 1)
     await _quiet()
     assert source.fetches == 3 + 8 + 1
+    await pipeline.close()
+
+
+def test_the_time_ahead_hides_the_round_trips_and_no_more() -> None:
+    assert seconds_ahead(1.0, None) == MIN_AHEAD_S, "before the first batch is ready"
+    assert seconds_ahead(1.0, 0.001) == MIN_AHEAD_S, "a broker that answers at once: the floor"
+    assert seconds_ahead(1.0, 0.010) == pytest.approx(READY_COVER * 0.010)
+    assert seconds_ahead(0.1, 0.5) == 0.1, "never more than the lease allows"
+
+
+async def test_a_fast_application_keeps_what_hides_the_round_trips_not_the_whole_depth() -> None:
+    source, clock = Source(), FakeClock()
+    pipeline = _pipeline(source, clock, depth=128)
+    for _ in range(3):  # 500 records per millisecond, batches ready at once (fake clock)
+        assert await pipeline.next(1.0) is not None
+        clock.now += 0.001
+    # 500k records/s x MIN_AHEAD_S (20 ms) = 10,000 records: 20 batches (21 where the
+    # measured rate rounds above 500k), not 128
+    await _settle(lambda: source.fetches >= 3 + 20)
+    await _quiet()
+    assert 3 + 20 <= source.fetches <= 3 + 21
     await pipeline.close()
 
 
