@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from support.records import RECORDS_AT, FakeRecord
 
 from tracker.client.message import KmqMessage, MessageContext
-from tracker.client.message_batch import MessageBatch
+from tracker.client.message_batch import MessageBatch, each_once
 from tracker.client.open_ranges import OPEN, RangeBook
 from tracker.client.planning import plan_ranges
 from tracker.errors import AlreadySettled
@@ -135,7 +135,7 @@ def test_a_settle_covers_exactly_the_acked_messages(size: int, data: st.DataObje
         batch = MessageBatch(plan.deliver, context, [])
         for opened in plan.ranges:
             book.add(opened)
-        for message in batch.each_once() if once else batch:
+        for message in each_once(batch) if once else batch:
             if message.offset in acked:
                 await message.ack()
                 assert message.settled is MarkerKind.ACK
@@ -170,7 +170,7 @@ def test_a_batch_is_a_sequence_that_shows_the_same_message_objects_every_time() 
     assert batch == list(batch)
     assert batch != list(batch)[1:]
     assert batch != "not a batch"
-    assert list(batch.each_once()) == list(batch), "once the batch made them, the same ones"
+    assert list(each_once(batch)) == list(batch), "once the batch made them, the same ones"
     assert MessageBatch([], context, []) == []
 
 
@@ -179,10 +179,10 @@ def test_a_batch_read_once_makes_each_message_as_it_is_reached() -> None:
     plan = _plan([_record(o, "first") for o in range(10, 20)] + [_record(20, "copy")])
     loose: list[KmqMessage] = []
     batch = MessageBatch(plan.deliver, context, loose)
-    once = list(batch.each_once())
+    once = list(each_once(batch))
     assert [m.offset for m in once] == list(range(10, 21))
     assert once[-1] is loose[0], "the copy is the one ``ack_all`` acks"
-    again = list(batch.each_once())
+    again = list(each_once(batch))
     assert again[0] is not once[0], "not kept: read once, each message is freed when dropped"
     for opened in plan.ranges:
         book.add(opened)

@@ -105,9 +105,10 @@ class KmqConsumer:
     than half its lease before being handed over, it is extended at hand-over. 1 writes one
     START and one ACK record per message, for trackers older than protocol v2.
     ``pipeline_depth`` bounds how many fetched batches (of up to ``max_batch``) wait with
-    their STARTs in flight; within it the client keeps at most about a tenth of the lease
-    (one second at most) of the application's work waiting, measured from how fast it takes
-    batches, so a slow application has one batch fetched ahead, not ``pipeline_depth``; and
+    their STARTs in flight; within it the client keeps waiting only the application's work
+    (measured from how fast it takes batches) that hides the START round trips (four times
+    their measured time, at least 20 ms), at most a tenth of the lease (one second at most),
+    so a slow application has one batch fetched ahead, not ``pipeline_depth``; and
     no more than ``fetch_max_bytes`` (``consumer_config``, 50 MiB by default) of values.
     """
 

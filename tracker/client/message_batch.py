@@ -13,11 +13,14 @@ batch's records before it fetches the next one and triggers almost none.
 So a :class:`MessageBatch` keeps the runs and makes messages on demand:
 
 * an application that settles the batch whole (``getmany()`` then ``ack_all()``) makes none;
-* the client's one-pass readers (``async for message in consumer``, the worker pool) take
-  :meth:`MessageBatch.each_once`: each message is made when it is reached and freed when the
-  application lets it go, as plain aiokafka's records are;
+* ``async for message in consumer`` reads it with :func:`each_once`: each message is made
+  when it is reached and freed when the application lets it go, as plain aiokafka's records
+  are (the worker pool reads it so too, but holds a job per message of the batch anyway);
 * indexing or iterating it as a sequence makes all of them once and keeps them, so that the
-  application sees the same object for a message every time.
+  application sees the same object for a message every time. A batch is read one way or the
+  other, never both: a retry or reject is kept on the message object (the range only knows
+  the offset diverged), so two objects for one record could settle it twice. That is why
+  :func:`each_once` is the client's, not the application's.
 
 A message settled per message (a redelivered copy) is made at once: ``ack_all()`` needs it.
 """
@@ -71,7 +74,7 @@ class MessageBatch(Sequence[KmqMessage]):
         opened, records = part
         return map(KmqMessage, records, repeat(self._context), repeat(opened))
 
-    def each_once(self) -> Iterator[KmqMessage]:
+    def _each_once(self) -> Iterator[KmqMessage]:
         """Every message, made as it is reached and not kept (for readers that pass once)."""
         if self._made is not None:
             return iter(self._made)
@@ -80,7 +83,7 @@ class MessageBatch(Sequence[KmqMessage]):
     def _all(self) -> list[KmqMessage]:
         made = self._made
         if made is None:
-            made = self._made = list(self.each_once())
+            made = self._made = list(self._each_once())
         return made
 
     def __iter__(self) -> Iterator[KmqMessage]:
@@ -108,7 +111,11 @@ class MessageBatch(Sequence[KmqMessage]):
 
 
 def each_once(messages: Sequence[KmqMessage]) -> Iterator[KmqMessage]:
-    """Iterate ``messages`` once, without keeping the messages of a :class:`MessageBatch`."""
+    """Iterate ``messages`` once, without keeping the messages of a :class:`MessageBatch`.
+
+    For the client's own readers of a batch the application never sees as a sequence
+    (``async for``, the worker pool): see the module docstring.
+    """
     if isinstance(messages, MessageBatch):
-        return messages.each_once()
+        return messages._each_once()
     return iter(messages)

@@ -12,16 +12,15 @@ How far ahead it fetches follows the application, not only ``depth``: a prefetch
 lease runs while it waits, and a batch fetched ahead is read twice if the consumer stops or
 loses its partition first. So the pipeline keeps waiting only as much of the application's
 work (as records per second of processing, measured from each hand-over to the application's
-next request) as hides the round trips: ``READY_COVER`` times the measured time from a fetch
-to its STARTs' acknowledgement, at least ``MIN_AHEAD_S``, at most ``ahead_s`` (see
-:func:`seconds_ahead`); always at least one batch, and one batch only until the first
-measurement. A fast application gets the batches that hide the START round trips (a few dozen
-at most, never more than ``depth``); a slow one gets one batch ahead, whose lease has barely
-started when it is taken, instead of ``depth`` batches that expire while they wait. It also
-holds at most
-``max_bytes`` of records as ``weigh`` counts them (the consumer passes aiokafka's
-``fetch_max_bytes`` and the values' sizes), so that large messages do not turn a depth of
-batches into gigabytes.
+next request) as hides the round trips: ``READY_COVER`` times the measured time from a
+batch's fetch to its STARTs' acknowledgement, at least ``MIN_AHEAD_S``, at most ``ahead_s``
+(see :func:`seconds_ahead`); always at least one batch, and one batch only until the first
+measurement. A fast application gets the batches that hide the START round trips (about
+twenty on a local broker, never more than ``depth``); a slow one gets one batch ahead, whose
+lease has barely started when it is taken, instead of ``depth`` batches that expire while they
+wait. It also holds at most ``max_bytes`` of records as ``weigh`` counts them (the consumer
+passes aiokafka's ``fetch_max_bytes`` and the values' sizes), so that large messages do not
+turn a depth of batches into gigabytes.
 
 The KMQ invariant is kept where it is decided, on the application's side: a batch is handed
 over only after its STARTs are acknowledged, and its offsets are committed only after that.
@@ -120,7 +119,7 @@ class StartPipeline:
         self._queued = 0  #: records fetched and not handed over yet
         self._queued_bytes = 0  #: their size, as ``weigh`` counts it
         self._rate: float | None = None  #: the application's records per second (EWMA)
-        #: seconds from a fetch's start to its STARTs' acknowledgement (EWMA)
+        #: seconds from a batch's fetch to its STARTs' acknowledgement (EWMA)
         self._ready_s: float | None = None
         self._handed: tuple[int, float] | None = None  #: the last hand-over: records, when
         self._room = asyncio.Event()  #: set whenever the application takes a batch
@@ -140,8 +139,8 @@ class StartPipeline:
         )
 
     def _ready(self, began: float, acked: asyncio.Future[None] | None = None) -> None:
-        """A batch is ready (fetched, STARTs acknowledged) ``clock() - began`` after its
-        fetch began: the round trips that the batches ahead must hide."""
+        """A batch's STARTs are acknowledged ``clock() - began`` after it was fetched: the
+        round trip that the batches ahead must hide."""
         if acked is not None and (acked.cancelled() or acked.exception() is not None):
             return
         took = self._clock() - began
@@ -153,11 +152,11 @@ class StartPipeline:
             while not self._may_fetch():
                 self._room.clear()
                 await self._room.wait()
-            began = self._clock()
             fetched = await self._fetch()
             count = sum(map(len, fetched.values()))
             if not count:
                 continue
+            began = self._clock()  # not the fetch's wait for data: idle time hides nothing
             plans, markers = self._plan(fetched)
             acked: asyncio.Future[None] | None = None
             if markers:
