@@ -10,11 +10,10 @@ exactly the same records with the same reasons (``tests/unit/test_protocol*.py``
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from tracker.c_extension import load_c_extension
 from tracker.errors import MarkerError
 from tracker.protocol_limits import (
     MAX_ATTEMPT,
@@ -118,16 +117,10 @@ _RANGE_KINDS = (None, RangeKind.RANGE_START, RangeKind.RANGE_SETTLE, None, Range
 
 def _c_decoder() -> Any:
     """The C decoder module, unless it was not built or ``KMQ_PURE_PYTHON`` is set."""
-    if os.environ.get("KMQ_PURE_PYTHON"):
-        return None
-    try:
-        # By name, not ``from tracker import _speedups``: that reads as an import of the
-        # package itself, which imports this module (a cycle to the import contracts).
-        _speedups = importlib.import_module("tracker._speedups")
-    except ImportError:
-        return None
-    _speedups.configure(Marker, KINDS_BY_BYTE, MarkerError, RangeMarker, _RANGE_KINDS)
-    return _speedups
+    speedups = load_c_extension()
+    if speedups is not None:
+        speedups.configure(Marker, KINDS_BY_BYTE, MarkerError, RangeMarker, _RANGE_KINDS)
+    return speedups
 
 
 _speedups_module = _c_decoder()

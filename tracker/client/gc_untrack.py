@@ -30,23 +30,17 @@ slower.
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from tracker.c_extension import load_c_extension
 
 #: aiokafka consumer options that put arbitrary objects in a record.
 DESERIALIZERS = ("key_deserializer", "value_deserializer")
 
 
 def _c_untrack_list() -> Callable[[list[Any]], None] | None:
-    if os.environ.get("KMQ_PURE_PYTHON"):
-        return None
-    try:
-        # By name (as tracker.protocol does): the C module is optional.
-        speedups = importlib.import_module("tracker._speedups")
-    except ImportError:
-        return None
+    speedups = load_c_extension()
     untrack: Callable[[list[Any]], None] | None = getattr(speedups, "untrack_list", None)
     return untrack
 
