@@ -148,8 +148,10 @@ class Store(MarkerApply, DueClaims):
                 r.group_id == key[0],
                 r.origin_topic == key[1],
                 r.origin_partition == key[2],
+                # Bounded on both columns, so either index is a bounded walk (see
+                # MarkerApply._load_lanes).
                 r.first_offset.between(key[3] - MAX_RANGE_WIDTH + 1, key[3]),
-                r.last_offset >= key[3],
+                r.last_offset.between(key[3], key[3] + MAX_RANGE_WIDTH - 1),
             )
         )
         for row in rows:
