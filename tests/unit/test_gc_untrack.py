@@ -16,8 +16,9 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from tracker.client import gc_untrack
+from tracker.client import KmqConsumer, gc_untrack
 from tracker.client.gc_untrack import records_untracker
+from tracker.testing import InMemoryMarkerSink
 
 BUILT = gc_untrack._untrack_list is not None
 
@@ -69,3 +70,36 @@ def test_what_is_not_a_list_is_left_tracked_not_refused() -> None:
     records = tuple(_records(2))
     gc_untrack._untrack_list(records)  # type: ignore[arg-type]
     assert all(gc.is_tracked(r) for r in records)
+
+
+@pytest.mark.skipif(not BUILT, reason="the C extension is not built (checked above under CI)")
+@pytest.mark.parametrize(
+    ("consumer_config", "untracked"),
+    [({}, True), ({"value_deserializer": bytes.decode}, False)],
+    ids=["raw records", "a value deserializer"],
+)
+async def test_the_consumer_untracks_each_batch_it_fetches_unless_values_are_deserialized(
+    consumer_config: dict[str, Any], untracked: bool
+) -> None:
+    """The wiring: what the START pipeline fetches through the consumer comes back untracked,
+    and tracked when a deserializer could put any object in a record."""
+    consumer = KmqConsumer(
+        "orders",
+        group_id="g",
+        bootstrap_servers="localhost:1",
+        marker_sink=InMemoryMarkerSink(),
+        consumer_config=consumer_config,
+    )
+    fetched = {TopicPartition("orders", 0): _records(3)}
+
+    async def getmany(**options: Any) -> dict[Any, list[Any]]:
+        return fetched
+
+    try:
+        consumer._consumer.getmany = getmany
+        got = await consumer._fetch_batch()
+        assert got is fetched
+        records = got[TopicPartition("orders", 0)]
+        assert [gc.is_tracked(r) for r in records] == [not untracked] * 3
+    finally:
+        await consumer._close_clients()
