@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tracker.client import pipeline as pipeline_module
 from tracker.client.pipeline import (
     MIN_AHEAD_S,
     READY_COVER,
@@ -118,6 +119,42 @@ def test_the_time_ahead_hides_the_round_trips_and_no_more() -> None:
     assert seconds_ahead(1.0, 0.001) == MIN_AHEAD_S, "a broker that answers at once: the floor"
     assert seconds_ahead(1.0, 0.010) == pytest.approx(READY_COVER * 0.010)
     assert seconds_ahead(0.1, 0.5) == 0.1, "never more than the lease allows"
+
+
+async def test_the_time_measured_runs_from_the_fetch_to_the_starts_acknowledgement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The round trip the batches ahead must hide is a batch's START write (50 ms here), not
+    the fetch's own wait for data (200 ms here): idle time hides nothing, and counting it
+    would keep seconds of leases running in the queue."""
+    clock = FakeClock()
+
+    class WaitingSource(Source):
+        async def fetch(self) -> dict[Any, list[Any]]:
+            for _ in range(3):  # the STARTs before are acknowledged while this one waits
+                await asyncio.sleep(0)
+            clock.now += 0.2
+            return await super().fetch()
+
+    async def acked_in_50_ms(markers: Any) -> None:
+        clock.now += 0.05
+
+    measured: list[float] = []
+    real = pipeline_module.seconds_ahead
+
+    def spy(ahead_s: float, ready_s: float | None) -> float:
+        if ready_s is not None:
+            measured.append(ready_s)
+        return real(ahead_s, ready_s)
+
+    monkeypatch.setattr(pipeline_module, "seconds_ahead", spy)
+    pipeline = _pipeline(WaitingSource(), clock, send=acked_in_50_ms, depth=128)
+    for _ in range(4):
+        assert await pipeline.next(1.0) is not None
+    await _settle(lambda: len(measured) >= 3)
+    await pipeline.close()
+    assert all(r == pytest.approx(0.05) for r in measured), measured
+    assert seconds_ahead(1.0, measured[-1]) == pytest.approx(READY_COVER * 0.05)
 
 
 async def test_a_fast_application_keeps_what_hides_the_round_trips_not_the_whole_depth() -> None:
