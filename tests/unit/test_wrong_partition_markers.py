@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-import tracker.engine.ingest as ingest_module
+import tracker.engine.marker_verdicts as verdicts_module
 from tracker.clock import ManualClock
-from tracker.engine.ingest import WRONG_PARTITION, MarkerIngest, _Partition
+from tracker.engine.ingest import MarkerIngest, _Partition
+from tracker.engine.marker_verdicts import WRONG_PARTITION
 from tracker.ids import MessageId
 from tracker.metrics import Metrics
 from tracker.partitioning import markers_partition
@@ -205,7 +206,7 @@ async def test_the_partition_is_computed_once_per_origin_per_batch(
         calls.append((topic, partition, partitions))
         return markers_partition(topic, partition, partitions)
 
-    monkeypatch.setattr(ingest_module, "markers_partition", counting)
+    monkeypatch.setattr(verdicts_module, "markers_partition", counting)
     ingest = ingest_with(MetadataOnly(PARTITIONS))
     right, _ = right_and_wrong("orders", 0)
     same = [p for p in range(64) if markers_partition("orders", p, PARTITIONS) == right][:3]

@@ -20,7 +20,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from aiokafka import TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -30,12 +30,12 @@ from aiokafka.structs import OffsetAndMetadata
 from tracker.clock import Clock, to_millis
 from tracker.domain.entries import EntryKey
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.ranges import LaneKey, lane_of, touched
+from tracker.engine.coalescing_index import CoalescingIndex
+from tracker.engine.fetch_responses import BROKER_SILENCE_MS, MAX_ENDS, FetchResponses
+from tracker.engine.marker_verdicts import MarkerCheck, MarkerSorter
 from tracker.engine.parking import InvalidMarkerParker, Rejected
 from tracker.engine.signals import IngestListener, NoListener
 from tracker.metrics import Metrics
-from tracker.partitioning import marker_key, markers_partition
-from tracker.protocol import AnyMarker, RangeMarker, decode_batch
 from tracker.store import Fenced, StoreUnavailable
 from tracker.store.port import PartitionProgress, PendingMarker, TrackerStore
 
@@ -43,24 +43,6 @@ log = logging.getLogger(__name__)
 
 #: Longest time between two flushes of what left the coalescing window (``poll_once``).
 FLUSH_INTERVAL = 0.2
-
-#: High watermarks remembered per partition until we read past them (older ones are dropped:
-#: that only delays ``caught_up_ms``, never advances it too far).
-MAX_ENDS = 256
-
-#: Category (``kmq_markers_invalid_total`` reason) of a marker not on its origin's partition.
-WRONG_PARTITION = "wrong_partition"
-
-#: Without a fetch response for this long, the broker counts as unreachable (readiness).
-BROKER_SILENCE_MS = 5_000
-
-
-class MarkerCheck(Protocol):
-    """Checks decoded markers beyond the wire format (do their topics exist?)."""
-
-    async def prepare(self, topics: Iterable[str]) -> None: ...
-
-    def check(self, marker: AnyMarker) -> str | None: ...
 
 
 @dataclass(slots=True)
@@ -121,10 +103,7 @@ class MarkerIngest:
         self._metrics = metrics
         self._window = coalesce_window
         self._grace_ms = ack_grace_ms
-        #: v1 markers waiting in the coalescing window, per entry key
-        self._pending_keys: Counter[EntryKey] = Counter()
-        #: v2 range markers waiting in the coalescing window, per lane and span
-        self._pending_spans: dict[LaneKey, Counter[tuple[int, int]]] = {}
+        self._waiting = CoalescingIndex()  #: the markers in the coalescing window, by entry
         self._max_records = max_records
         self._max_pending = max_pending
         #: Longest wait of one poll for markers. The safe horizon moves only when a poll
@@ -135,7 +114,12 @@ class MarkerIngest:
         self._poll_wait = poll_wait
         self._next_flush = 0.0  #: monotonic time before which no new flush starts
         self._flush_interval = min(FLUSH_INTERVAL, self._window / 2)
-        self._check = check_marker
+        self._sorter = MarkerSorter(
+            consumer=consumer, markers_topic=markers_topic, clock=clock, check=check_marker
+        )
+        self._fetches = FetchResponses(
+            consumer=consumer, markers_topic=markers_topic, clock=clock, metrics=metrics
+        )
         self._listener: IngestListener = listener or NoListener()
         self._owned: dict[int, _Partition] = {}
         self._unclaimed: set[int] = set()  #: assigned, but the store could not be reached
@@ -168,16 +152,7 @@ class MarkerIngest:
 
     def pending_keys(self, keys: Iterable[EntryKey]) -> set[EntryKey]:
         """The keys among ``keys`` that have markers waiting in the coalescing window."""
-        pending, lanes = self._pending_keys, self._pending_spans
-        found: set[EntryKey] = set()
-        for key in keys:
-            if key in pending:
-                found.add(key)
-            elif lanes:
-                spans = lanes.get((key[0], key[1], key[2]))
-                if spans and any(first <= key[3] <= last for first, last in spans):
-                    found.add(key)
-        return found
+        return self._waiting.pending_keys(keys)
 
     def listener(self) -> ConsumerRebalanceListener:
         ingest = self
@@ -336,68 +311,8 @@ class MarkerIngest:
 
     async def _sort(self, partition: int, state: _Partition, records: list[Any]) -> _Sorted:
         """Decode and check one partition's records: what to apply, what to refuse."""
-        now_ms = to_millis(self._clock.now())
-        arrived = time.monotonic()
-        decoded = decode_batch([r.value for r in records])
-        if self._check is not None:
-            topics = {m.topic for m in decoded.markers if m is not None}
-            topics |= {m.origin_topic for m in decoded.markers if m is not None}
-            await self._check.prepare(topics)
-        rejected: list[Rejected] = [
-            Rejected(records[i], why, "malformed") for i, why in decoded.errors
-        ]
-        accepted: list[tuple[float, PendingMarker]] = []
-        total = self._markers_partitions()
-        # A batch names few distinct topic/partitions: check each once, not once per marker.
-        verdicts: dict[tuple[str, int, str, int], tuple[str, str] | None] = {}
-        for record, marker in zip(records, decoded.markers, strict=True):
-            if marker is None:
-                continue
-            where = (marker.topic, marker.partition, marker.origin_topic, marker.origin_partition)
-            if where in verdicts:
-                verdict = verdicts[where]
-            else:
-                verdict = verdicts[where] = self._verdict(marker, partition, total)
-            if verdict is not None:
-                rejected.append(Rejected(record, verdict[1], verdict[0]))
-                continue
-            # Durations count from the record's timestamp, but never from the future: a
-            # writer whose clock runs ahead must not make us redeliver early.
-            ts = record.timestamp
-            ref_ms = now_ms if ts < 0 or ts > now_ms else ts
-            accepted.append((arrived, PendingMarker(marker, ref_ms, partition, record.offset)))
+        accepted, rejected = await self._sorter.sort(partition, records)
         return _Sorted(partition, state, records, accepted, rejected)
-
-    def _markers_partitions(self) -> int:
-        """How many partitions the markers topic has (the consumer's metadata; 0: unknown)."""
-        return len(self._consumer.partitions_for_topic(self._topic) or ())
-
-    def _verdict(self, marker: AnyMarker, partition: int, total: int) -> tuple[str, str] | None:
-        """``(category, reason)`` if ``marker``, read on ``partition``, must be refused.
-
-        A marker must sit on its origin's markers partition (docs/protocol.md, "The marker
-        record"): only there is it ordered against that origin's other markers, and only there
-        is the entry it writes filed under the partition whose owner fences and redelivers it.
-        One on another partition is refused like a malformed one, whatever its kind (why:
-        docs/protocol.md, "A marker on the wrong partition"). Metadata that does not know
-        ``partition`` yet is stale (the topic just grew): nothing is refused for its partition
-        until it is refreshed.
-        """
-        if self._check is not None:
-            why = self._check.check(marker)
-            if why is not None:
-                return "unknown_topic", why
-        if partition < total:
-            expected = markers_partition(marker.origin_topic, marker.origin_partition, total)
-            if expected != partition:
-                key = marker_key(marker.origin_topic, marker.origin_partition).decode()
-                return WRONG_PARTITION, (
-                    f"on markers partition {partition}, but the markers of origin "
-                    f"{marker.origin_topic}/{marker.origin_partition} belong on partition "
-                    f"{expected} of {total} (murmur2 of the key {key!r}): it cannot be ordered "
-                    "against that origin's other markers"
-                )
-        return None
 
     async def _park(self, rejected: list[Rejected], fetched: list[_Sorted]) -> None:
         """Park every refused record of one poll in one round trip, before any is applied.
@@ -424,7 +339,7 @@ class MarkerIngest:
         kinds: Counter[str] = Counter()
         for _, pending in batch.accepted:
             kinds[pending.marker.kind.name] += 1
-            self._hold(pending.marker, 1)
+            self._waiting.hold(pending.marker, 1)
         for kind, count in kinds.items():
             self._metrics.markers_ingested.labels(kind).inc(count)
         batch.state.pending.extend(batch.accepted)
@@ -433,37 +348,10 @@ class MarkerIngest:
     async def _note_caught_up(self) -> None:
         """Record, per partition, when we last had read everything the broker had.
 
-        Each fetch response tells the partition's high watermark at the time of the response.
-        The consumer only remembers the newest, and with markers arriving continuously the
-        next response has usually come in (prefetched) before we read to the previous one's
-        end, so "position >= newest high watermark" held only now and then (the safe horizon
-        advanced in jumps of 0.3-0.5 s at 1k markers/s). Every end seen is remembered
-        instead, and the newest one we have read past sets ``caught_up_ms``: every marker the
-        broker had at that fetch has been read.
+        What the fetch responses tell (``tracker.engine.fetch_responses``): a safe horizon
+        that moved is told to the listener, a broker that stopped answering is noted.
         """
-        now_ms = to_millis(self._clock.now())
-        wall_ms = time.time() * 1000
-        advanced: int | None = None
-        for partition, state in self._owned.items():
-            tp = TopicPartition(self._topic, partition)
-            highwater = self._consumer.highwater(tp)
-            fetched_at = self._consumer.last_poll_timestamp(tp)
-            if highwater is None or fetched_at is None:
-                continue
-            if not state.ends or state.ends[-1][1] != fetched_at:
-                state.ends.append((highwater, fetched_at))
-            position = await self._consumer.position(tp)
-            self._metrics.markers_lag.labels(str(partition)).set(max(0, highwater - position))
-            reached: float | None = None
-            while state.ends and state.ends[0][0] <= position:
-                reached = state.ends.popleft()[1]
-            if reached is not None:
-                # The fetch's wall-clock time on the tracker's clock (they differ only when
-                # a test injects a clock).
-                caught_up = now_ms - max(0, int(wall_ms - reached))
-                if state.caught_up_ms is None or caught_up > state.caught_up_ms:
-                    state.caught_up_ms = caught_up
-                    advanced = caught_up if advanced is None else max(advanced, caught_up)
+        advanced = await self._fetches.note_caught_up(self._owned)
         if advanced is not None:
             self._listener.caught_up(advanced - self._grace_ms)  # what safe_until now allows
         answering = self.broker_answering()
@@ -489,25 +377,8 @@ class MarkerIngest:
         self._metrics.broker_reachable.set(1 if answering else 0)
 
     def broker_answering(self) -> bool:
-        """Whether fetch responses for our partitions still arrive (readiness asks this).
-
-        aiokafka does not raise when the broker goes away, it just fetches nothing: no fetch
-        response for a while (they come every ``fetch_max_wait_ms`` when healthy) means the
-        broker is unreachable. Read from the consumer's fetch times at the moment of asking,
-        not from the ingest loop, which may itself be stuck in the outage (a commit waits
-        for the group coordinator as long as the broker is away).
-        """
-        newest: float | None = None
-        for partition in self._owned:
-            try:
-                fetched = self._consumer.last_poll_timestamp(TopicPartition(self._topic, partition))
-            except (KafkaError, AssertionError, AttributeError, KeyError):  # revoked meanwhile
-                continue
-            if fetched is not None and fetched > 0:
-                newest = fetched if newest is None else max(newest, fetched)
-        if newest is None:  # nothing owned, or nothing fetched yet: what the loop last saw
-            return self.broker_ok
-        return time.time() * 1000 - newest <= BROKER_SILENCE_MS
+        """Whether fetch responses for our partitions still arrive (readiness asks this)."""
+        return self._fetches.broker_answering(self._owned, otherwise=self.broker_ok)
 
     def _pending_count(self) -> int:
         return sum(len(s.pending) for s in self._owned.values())
@@ -555,7 +426,7 @@ class MarkerIngest:
             state = self._owned[partition]
             for _ in range(n):
                 _, pending = state.pending.popleft()
-                self._hold(pending.marker, -1)
+                self._waiting.hold(pending.marker, -1)
             state.applied_next = progress[partition].next_offset
         await self._commit(progress)
         if result.anomalies:
@@ -589,30 +460,7 @@ class MarkerIngest:
         with contextlib.suppress(KeyError):
             self._metrics.markers_lag.remove(str(partition))
         for _, pending in state.pending:
-            self._hold(pending.marker, -1)
-
-    def _hold(self, marker: AnyMarker, delta: int) -> None:
-        """Count ``marker`` in (``delta`` 1) or out of (-1) the coalescing window."""
-        if not isinstance(marker, RangeMarker):
-            key = (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset)
-            left = self._pending_keys[key] + delta
-            if left > 0:
-                self._pending_keys[key] = left
-            else:
-                del self._pending_keys[key]
-            return
-        lane = lane_of(marker)
-        span = touched(marker)
-        spans = self._pending_spans.get(lane)
-        if spans is None:
-            spans = self._pending_spans[lane] = Counter()
-        left = spans[span] + delta
-        if left > 0:
-            spans[span] = left
-        else:
-            del spans[span]
-            if not spans:
-                del self._pending_spans[lane]
+            self._waiting.hold(pending.marker, -1)
 
     def _fenced(self, partitions: set[int]) -> None:
         log.warning("fenced out of markers partitions %s: another replica owns them", partitions)
