@@ -98,7 +98,8 @@ class RangeSeeder:
         rate = added / watch.seconds if added else float("nan")
         # As scenario 4 does and autovacuum would within a minute of the load: without
         # statistics PostgreSQL takes the 20,000 rows for a few dozen and deletes a settled
-        # range through a walk of its whole lane (2,500 rows) instead of a key probe.
+        # range by walking every range of the topic (20,000 index entries) instead of
+        # probing its key.
         await analyze(self.store)
         return rate
 

@@ -33,6 +33,7 @@ from tracker.domain.actions import ActionKind, ActionOutcome, ActionRequest
 from tracker.domain.entries import Entry, State
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
+from tracker.protocol_limits import MAX_OFFSET
 from tracker.protocol_v2 import RangeMarker
 from tracker.store.inspection import EntryFilter, EntryOrder, InspectionQueries
 from tracker.store.manager import Store
@@ -81,6 +82,32 @@ def test_the_range_store_decides_as_the_per_message_model(
     if not steps:
         return
     asyncio.run(_scenario(database_url, steps, cuts, steps[-1][1] + due_gap))
+
+
+def test_markers_at_the_highest_offset_are_applied_and_found(database_url: str) -> None:
+    """An offset near 2**63 - 1 is valid: the range lookups' bounds must not overflow the
+    64-bit columns (a refused statement would stall the markers partition for good)."""
+
+    async def scenario() -> None:
+        store = await _fresh(database_url)
+        try:
+            epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
+            top = MAX_OFFSET
+            steps: list[AnyMarker] = [
+                RangeMarker.start(GROUP, TOPIC, PARTITION, top - 9, top - 1, consumer="c1"),
+                Marker.start(GROUP, MessageId(TOPIC, PARTITION, top)),
+            ]
+            pendings = [PendingMarker(m, 10 + i, 0, i) for i, m in enumerate(steps)]
+            await store.apply(MARKERS, {0: PartitionProgress(epoch, 2)}, pendings, policy, 20)
+            for offset in (top - 9, top - 1, top):
+                entry = await store.get_entry((GROUP, TOPIC, PARTITION, offset))
+                assert entry is not None, offset
+                assert entry.state is State.IN_FLIGHT, offset
+            await assert_counters_match(store.engine)
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
 
 
 def test_a_batch_acked_within_one_flush_writes_no_row(database_url: str) -> None:

@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.protocol_limits import MAX_OFFSET
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .dialects import keys_in, upsert_rows
@@ -151,7 +152,7 @@ class Store(MarkerApply, DueClaims):
                 # Bounded on both columns, so either index is a bounded walk (see
                 # MarkerApply._load_lanes).
                 r.first_offset.between(key[3] - MAX_RANGE_WIDTH + 1, key[3]),
-                r.last_offset.between(key[3], key[3] + MAX_RANGE_WIDTH - 1),
+                r.last_offset.between(key[3], min(key[3] + MAX_RANGE_WIDTH - 1, MAX_OFFSET)),
             )
         )
         for row in rows:

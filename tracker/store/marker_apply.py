@@ -30,6 +30,7 @@ from tracker.domain.ranges import (
     touched,
 )
 from tracker.protocol import RangeMarker
+from tracker.protocol_limits import MAX_OFFSET
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .counts import CountChanges
@@ -229,8 +230,10 @@ class MarkerApply(PartitionOwnership):
         # [a - MAX_RANGE_WIDTH + 1, b] and end in [a, b + MAX_RANGE_WIDTH - 1]: a bounded
         # walk of either index the planner picks (the primary key or ix_ranges_lane_last),
         # however many ranges the lane has elsewhere. Without the upper bound on last_offset,
-        # a walk of ix_ranges_lane_last read every later range of the lane (2,500 per lookup
-        # at 10M messages in flight, bench scenario 4b).
+        # a walk of ix_ranges_lane_last (which PostgreSQL picks for lookups near a lane's
+        # tail) would read every later range of the lane if picked for one near its head.
+        # Capped at the highest offset a marker may name: a bound past it does not fit a
+        # 64-bit column.
         for lane_chunk in chunks(merge_spans(reach, MAX_RANGE_WIDTH), _LANE_CHUNK):
             rows = await conn.execute(
                 select(*columns).where(
@@ -241,7 +244,7 @@ class MarkerApply(PartitionOwnership):
                                 r.origin_topic == t,
                                 r.origin_partition == p,
                                 r.first_offset.between(a - MAX_RANGE_WIDTH + 1, b),
-                                r.last_offset.between(a, b + MAX_RANGE_WIDTH - 1),
+                                r.last_offset.between(a, min(b + MAX_RANGE_WIDTH - 1, MAX_OFFSET)),
                             )
                             for (g, t, p), a, b in lane_chunk
                         )
