@@ -26,8 +26,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
-from tracker.protocol_limits import MAX_OFFSET
-from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .dialects import keys_in, upsert_rows
 from .due_claims import DueClaims
@@ -45,6 +43,7 @@ from .tables import (
     decode_headers,
     encode_headers,
     entry_from_values,
+    ranges_reaching,
     ranges_table,
     row_from_entry,
     tracked,
@@ -146,13 +145,7 @@ class Store(MarkerApply, DueClaims):
         r = ranges_table.c
         rows = await conn.execute(
             select(*(r[name] for name in RANGE_COLUMN_NAMES)).where(
-                r.group_id == key[0],
-                r.origin_topic == key[1],
-                r.origin_partition == key[2],
-                # Bounded on both columns, so either index is a bounded walk (see
-                # MarkerApply._load_lanes).
-                r.first_offset.between(key[3] - MAX_RANGE_WIDTH + 1, key[3]),
-                r.last_offset.between(key[3], min(key[3] + MAX_RANGE_WIDTH - 1, MAX_OFFSET)),
+                ranges_reaching((key[0], key[1], key[2]), key[3], key[3])
             )
         )
         for row in rows:

@@ -30,7 +30,6 @@ from tracker.domain.ranges import (
     touched,
 )
 from tracker.protocol import RangeMarker
-from tracker.protocol_limits import MAX_OFFSET
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .counts import CountChanges
@@ -47,6 +46,7 @@ from .tables import (
     ROW_KEY,
     chunks,
     entry_from_values,
+    ranges_reaching,
     ranges_table,
     row_from_entry,
     tracked,
@@ -224,31 +224,10 @@ class MarkerApply(PartitionOwnership):
                 loaded[entry.key] = entry
         found_ranges: dict[LaneKey, dict[RangeKey, TrackedRange]] = defaultdict(dict)
         columns = [ranges_table.c[name] for name in RANGE_COLUMN_NAMES]
-        r = ranges_table.c
-        # A range never spans more than MAX_RANGE_WIDTH offsets (it is a subset of one
-        # RANGE_START), so the ranges holding any offset of [a, b] start in
-        # [a - MAX_RANGE_WIDTH + 1, b] and end in [a, b + MAX_RANGE_WIDTH - 1]: a bounded
-        # walk of either index the planner picks (the primary key or ix_ranges_lane_last),
-        # however many ranges the lane has elsewhere. Without the upper bound on last_offset,
-        # a walk of ix_ranges_lane_last (which PostgreSQL picks for lookups near a lane's
-        # tail) would read every later range of the lane if picked for one near its head.
-        # Capped at the highest offset a marker may name: a bound past it does not fit a
-        # 64-bit column.
         for lane_chunk in chunks(merge_spans(reach, MAX_RANGE_WIDTH), _LANE_CHUNK):
             rows = await conn.execute(
                 select(*columns).where(
-                    or_(
-                        *(
-                            and_(
-                                r.group_id == g,
-                                r.origin_topic == t,
-                                r.origin_partition == p,
-                                r.first_offset.between(a - MAX_RANGE_WIDTH + 1, b),
-                                r.last_offset.between(a, min(b + MAX_RANGE_WIDTH - 1, MAX_OFFSET)),
-                            )
-                            for (g, t, p), a, b in lane_chunk
-                        )
-                    )
+                    or_(*(ranges_reaching(lane, a, b) for lane, a, b in lane_chunk))
                 )
             )
             for row in rows:

@@ -11,11 +11,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy import (
+    ColumnElement,
     Table,
+    and_,
 )
 
 from tracker.domain.entries import Entry, State
-from tracker.domain.ranges import RANGE_COLUMN_NAMES
+from tracker.domain.ranges import RANGE_COLUMN_NAMES, LaneKey
+from tracker.protocol_limits import MAX_OFFSET
+from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .models import (
     DeadLetter,
@@ -42,6 +46,31 @@ RANGE_KEY_COLUMNS = (
     ranges_table.c.origin_partition,
     ranges_table.c.first_offset,
 )
+
+
+def ranges_reaching(lane: LaneKey, first: int, last: int) -> ColumnElement[bool]:
+    """The tracked ranges of ``lane`` that may hold an offset of ``[first, last]``.
+
+    A range never spans more than MAX_RANGE_WIDTH offsets (it is a subset of one
+    RANGE_START), so such a range starts in ``[first - MAX_RANGE_WIDTH + 1, last]`` and ends
+    in ``[first, last + MAX_RANGE_WIDTH - 1]``: a bounded walk of either index the planner
+    picks (the primary key or ix_ranges_lane_last), however many ranges the lane has
+    elsewhere. Without the upper bound on last_offset, a walk of ix_ranges_lane_last (which
+    PostgreSQL picks for lookups near a lane's tail) would read every later range of the lane
+    if picked for one near its head. Capped at the highest offset a marker may name: a bound
+    past it does not fit a 64-bit column.
+    """
+    r = ranges_table.c
+    group, topic, partition = lane
+    return and_(
+        r.group_id == group,
+        r.origin_topic == topic,
+        r.origin_partition == partition,
+        r.first_offset.between(first - MAX_RANGE_WIDTH + 1, last),
+        r.last_offset.between(first, min(last + MAX_RANGE_WIDTH - 1, MAX_OFFSET)),
+    )
+
+
 #: The columns of an entry's key, in key order.
 KEY_COLUMNS = (
     tracked.c.group_id,
