@@ -84,6 +84,37 @@ def test_the_range_store_decides_as_the_per_message_model(
     asyncio.run(_scenario(database_url, steps, cuts, steps[-1][1] + due_gap))
 
 
+@pytest.mark.parametrize("older", ["entry", "range"])
+def test_the_oldest_in_flight_is_the_older_of_entries_and_ranges(
+    database_url: str, older: str
+) -> None:
+    """A topic's oldest in-flight message may be an entry row or an offset of a range: the
+    stats take the earlier of the two, whichever it is."""
+
+    async def scenario() -> None:
+        store = await _fresh(database_url)
+        queries = InspectionQueries(store, MARKERS)
+        try:
+            epoch = (await store.claim_partitions(MARKERS, [0], "a", 0))[0].epoch
+            single = Marker.start(GROUP, MessageId(TOPIC, PARTITION, 7))
+            batch = RangeMarker.start(GROUP, TOPIC, PARTITION, 100, 199, consumer="c1")
+            seen = {"entry": 500, "range": 900}
+            if older == "range":
+                seen = {"entry": 900, "range": 500}
+            pendings = [
+                PendingMarker(single, seen["entry"], 0, 0),
+                PendingMarker(batch, seen["range"], 0, 1),
+            ]
+            await store.apply(MARKERS, {0: PartitionProgress(epoch, 2)}, pendings, policy, 1_000)
+            counts = (await queries.topic_counts(since_ms=0))[TOPIC]
+            assert counts.in_flight == 101
+            assert counts.oldest_in_flight_first_seen_ms == 500
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_markers_at_the_highest_offset_are_applied_and_found(database_url: str) -> None:
     """An offset near 2**63 - 1 is valid: the range lookups' bounds must not overflow the
     64-bit columns (a refused statement would stall the markers partition for good)."""
