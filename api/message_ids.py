@@ -65,18 +65,38 @@ def encode_cursor(position: list[Any], query: str) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
 
 
-def decode_cursor(cursor: str, query: str) -> list[Any]:
-    """The position in ``cursor``; :class:`ApiError` 422 if it is not one of this query's."""
+#: The values a cursor's position may hold: 64-bit integers (offsets, ids, times in
+#: milliseconds: every integer the store sorts by is a BIGINT) and short strings without NUL
+#: (group ids, topic names). Anything else cannot have come from ``next_cursor``, and would
+#: reach the database as an overflow or a refused string: a 500 instead of a 422.
+_MIN_I64 = -(2**63)
+_MAX_CURSOR_TEXT = 1024
+
+
+def decode_cursor(cursor: str, query: str, shape: tuple[type[int] | type[str], ...]) -> list[Any]:
+    """The position in ``cursor``, one value of each type of ``shape``; :class:`ApiError` 422
+    if it is not a position of this query (another query's, edited, out of range)."""
+    invalid = ApiError(422, "invalid cursor: pass next_cursor from a previous page as is")
     try:
         padded = cursor + "=" * (-len(cursor) % 4)
         data = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
     except (ValueError, binascii.Error, UnicodeError):
-        raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is") from None
+        raise invalid from None
     if not isinstance(data, dict) or data.get("v") != 1 or not isinstance(data.get("k"), list):
-        raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is")
+        raise invalid
     if data.get("q") != query:
         raise ApiError(
             422, "this cursor belongs to a listing with other filters; start without a cursor"
         )
     position: list[Any] = data["k"]
+    if len(position) != len(shape) or not all(
+        _fits(value, kind) for value, kind in zip(position, shape, strict=True)
+    ):
+        raise invalid
     return position
+
+
+def _fits(value: Any, kind: type[int] | type[str]) -> bool:
+    if kind is int:
+        return type(value) is int and _MIN_I64 <= value <= MAX_OFFSET
+    return type(value) is str and len(value) <= _MAX_CURSOR_TEXT and "\x00" not in value

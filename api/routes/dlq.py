@@ -76,12 +76,7 @@ async def list_dead_letters(
         redriven=redriven,
     )
     query = fingerprint(flt.to_json())
-    before = None
-    if cursor:
-        raw = decode_cursor(cursor, query)
-        if len(raw) != 1 or not isinstance(raw[0], int) or isinstance(raw[0], bool):
-            raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is")
-        before = raw[0]
+    before = decode_cursor(cursor, query, (int,))[0] if cursor else None
     rows = await context.queries.list_dead_letters(flt, before_id=before, limit=limit + 1)
     more = len(rows) > limit
     rows = rows[:limit]

@@ -7,7 +7,7 @@ republishing a dead letter twice.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Query, Response
 
@@ -28,13 +28,6 @@ router = APIRouter(prefix="/v1/redrive-jobs", tags=["redrive"])
 
 MAX_ID = 2**63 - 1
 JobId = Annotated[int, Path(ge=1, le=MAX_ID, description="Redrive job id.")]
-
-
-def _position(raw: list[Any]) -> int:
-    if len(raw) != 1 or not isinstance(raw[0], int) or isinstance(raw[0], bool):
-        raise ApiError(422, "invalid cursor: pass next_cursor from a previous page as is")
-    value: int = raw[0]
-    return value
 
 
 @router.post(
@@ -121,7 +114,7 @@ async def list_jobs(
     """Jobs, newest first."""
     states = list(state or ())
     query = fingerprint({"state": sorted(s.value for s in states)})
-    before = _position(decode_cursor(cursor, query)) if cursor else None
+    before = decode_cursor(cursor, query, (int,))[0] if cursor else None
     jobs = await context.jobs.list_jobs(states=states, before_id=before, limit=limit + 1)
     more = len(jobs) > limit
     jobs = jobs[:limit]
@@ -162,7 +155,7 @@ async def list_items(
     if await context.jobs.get_job(job_id) is None:
         raise ApiError(404, f"no redrive job {job_id}")
     query = fingerprint({"job": job_id, "state": state.value if state else None})
-    after = _position(decode_cursor(cursor, query)) if cursor else None
+    after = decode_cursor(cursor, query, (int,))[0] if cursor else None
     rows = await context.jobs.job_items(
         job_id,
         state=state,

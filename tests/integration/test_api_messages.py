@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -151,6 +152,24 @@ async def test_list_rejects_bad_parameters_with_clear_messages(env: ApiEnv) -> N
     )
     assert other.status_code == 422
     assert "other filters" in other.json()["detail"]
+
+
+async def test_a_forged_cursor_out_of_range_is_a_clear_422(env: ApiEnv) -> None:
+    """A cursor edited to hold an offset or due time past 64 bits is refused before it
+    reaches the database (where it would overflow: a 500)."""
+    client = env.client
+    await insert_entries(env.context, [entry(i) for i in range(3)])
+    for order, edit in (("key", 3), ("due", 0)):
+        page = (await client.get("/v1/messages", params={"limit": 1, "order": order})).json()
+        raw = page["next_cursor"] + "=" * (-len(page["next_cursor"]) % 4)
+        data = json.loads(base64.urlsafe_b64decode(raw))
+        data["k"][edit] = 2**64
+        forged = base64.urlsafe_b64encode(json.dumps(data).encode()).decode().rstrip("=")
+        response = await client.get(
+            "/v1/messages", params={"limit": 1, "order": order, "cursor": forged}
+        )
+        assert response.status_code == 422, (order, response.text)
+        assert "invalid cursor" in response.json()["detail"]
 
 
 async def test_pagination_is_stable_under_concurrent_inserts(env: ApiEnv) -> None:

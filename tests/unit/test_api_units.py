@@ -192,13 +192,40 @@ def test_message_ids() -> None:
         assert caught.value.status == 422
 
 
+KEY_SHAPE = (str, str, int, int)
+
+
 def test_cursors_belong_to_their_query() -> None:
     cursor = encode_cursor(["billing", "orders", 3, 42], "q1")
-    assert decode_cursor(cursor, "q1") == ["billing", "orders", 3, 42]
+    assert decode_cursor(cursor, "q1", KEY_SHAPE) == ["billing", "orders", 3, 42]
     assert set(cursor) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
     for bad, query in ((cursor, "q2"), ("%%%", "q1"), ("e30", "q1")):
         with pytest.raises(ApiError):
-            decode_cursor(bad, query)
+            decode_cursor(bad, query, KEY_SHAPE)
+
+
+def test_a_cursor_holds_only_what_a_page_could_have_ended_on() -> None:
+    """A forged cursor of the right query is refused (422) when a value could not be a row's:
+    an integer past 64 bits (the database would overflow: a 500), a bool, a string with NUL
+    or longer than any name, a value too many or too few."""
+    good = ["billing", "orders", 3, 2**63 - 1]
+    assert decode_cursor(encode_cursor(good, "q"), "q", KEY_SHAPE) == good
+    assert decode_cursor(encode_cursor([-(2**63)], "q"), "q", (int,)) == [-(2**63)]
+    for position in (
+        ["billing", "orders", 3, 2**63],
+        ["billing", "orders", 3, -(2**63) - 1],
+        ["billing", "orders", True, 1],
+        ["billing", "orders", 3, 1.5],
+        ["bill\x00ing", "orders", 3, 1],
+        ["b" * 1025, "orders", 3, 1],
+        ["billing", 7, 3, 1],
+        ["billing", "orders", 3],
+        ["billing", "orders", 3, 1, 1],
+    ):
+        with pytest.raises(ApiError) as caught:
+            decode_cursor(encode_cursor(position, "q"), "q", KEY_SHAPE)
+        assert caught.value.status == 422
+        assert "invalid cursor" in str(caught.value.detail)
 
 
 def test_bytes_preview() -> None:
