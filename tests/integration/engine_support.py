@@ -118,6 +118,25 @@ class TopicWatcher:
     def on(self, topic: str) -> list[Seen]:
         return [r for r in self.records if r.topic == topic]
 
+    async def read_to_end(self, topic: str, within: float = 30.0) -> list[Seen]:
+        """Wait until the watcher holds every record ``topic`` has now, and return them.
+
+        Call it before counting what is in a topic: the background reader can be a fetch or
+        two behind the broker (a fetch waits up to its ``fetch_max_wait_ms`` for data), and a
+        copy produced just before the count would otherwise go unseen.
+        """
+        ends = await high_watermarks(self._bootstrap, topic, within=within)
+
+        def holds_all(records: list[Seen]) -> bool:
+            last: dict[int, int] = {}
+            for r in records:
+                if r.topic == topic and r.offset >= last.get(r.partition, -1):
+                    last[r.partition] = r.offset
+            return all(last.get(p, -1) + 1 >= end for p, end in ends.items())
+
+        await self.wait_for(holds_all, within=within, what=f"the watcher to read {topic} to {ends}")
+        return self.on(topic)
+
     async def wait_for(
         self, predicate: Callable[[list[Seen]], bool], within: float = 30.0, what: str = ""
     ) -> list[Seen]:
@@ -130,6 +149,28 @@ class TopicWatcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(remaining, 0.5))
         return self.records
+
+
+async def high_watermarks(bootstrap: str, topic: str, within: float = 30.0) -> dict[int, int]:
+    """Each partition's high watermark, by reading ``topic`` to its end (fetch responses)."""
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await c.start()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        partitions = await topic_partition_ids(bootstrap, topic, within=within)
+        tps = [TopicPartition(topic, p) for p in partitions]
+        c.assign(tps)
+        await c.seek_to_beginning(*tps)
+        while True:
+            await c.getmany(timeout_ms=200, max_records=100_000)
+            marks: list[Any] = [c.highwater(tp) for tp in tps]
+            positions = [await c.position(tp) for tp in tps]
+            if None not in marks and positions == marks:
+                return {tp.partition: int(m) for tp, m in zip(tps, marks, strict=True)}
+            assert loop.time() < deadline, f"could not read {topic} to its end"
+    finally:
+        await c.stop()
 
 
 async def eventually(

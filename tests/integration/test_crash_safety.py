@@ -58,8 +58,8 @@ from tracker.client import KmqMessage
 from tracker.domain.entries import State
 from tracker.store import Store, StoreUnavailable
 
-from .engine_support import TopicWatcher
-from .workload import Ledger, Worker, high_watermarks, message_index, produce_over_time
+from .engine_support import TopicWatcher, high_watermarks
+from .workload import Ledger, Worker, message_index, produce_over_time
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -331,7 +331,7 @@ async def test_tracker_killed_at_random_moments_loses_nothing(
                 markers=markers,
             )
             assert await tracker.terminate() == 0, tracker.log_tail()
-            ledger = Ledger.build(sent, watcher.on(topic), worker)
+            ledger = Ledger.build(sent, await watcher.read_to_end(topic), worker)
         entries = await group_entries(store, group)
         dead = [d for d in await store.list_dead_letters() if d["origin_topic"] == topic]
         lost = [e for e in entries if e.state is State.LOST]
@@ -425,7 +425,7 @@ async def test_same_group_restart_after_sigkill(
                 markers=markers,
             )
             assert await tracker.terminate() == 0, tracker.log_tail()
-            ledger = Ledger.build(sent, watcher.on(topic), worker)
+            ledger = Ledger.build(sent, await watcher.read_to_end(topic), worker)
     finally:
         await tracker.close()
         await store.close()

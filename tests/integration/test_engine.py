@@ -28,8 +28,14 @@ from tracker.protocol import Marker, MarkerKind, decode_marker
 from tracker.runtime import create_tracker
 from tracker.store.dialects import create_engine
 
-from .engine_support import Seen, TopicWatcher, consumer, eventually, tracker_settings
-from .workload import high_watermarks
+from .engine_support import (
+    Seen,
+    TopicWatcher,
+    consumer,
+    eventually,
+    high_watermarks,
+    tracker_settings,
+)
 
 pytestmark = [pytest.mark.integration]
 

@@ -97,7 +97,7 @@ async def test_v1_and_v2_consumers_share_a_group_and_hand_partitions_over(
         await eventually(
             lambda: acked() == MESSAGES, within=120, what=f"all {MESSAGES} messages acked"
         )
-        ledger = Ledger.build(sent, watcher.on(topic), _Everyone(workers))  # type: ignore[arg-type]
+        ledger = Ledger.build(sent, await watcher.read_to_end(topic), _Everyone(workers))  # type: ignore[arg-type]
 
     print(f"\n[mixed v1/v2 group] {ledger.summary()}")
     assert {w.marker_version for w in workers if w.received} == {1, 2}

@@ -44,8 +44,8 @@ from tracker.store import Store, StoreUnavailable
 from tracker.store.migrate import upgrade
 from tracker.store.port import PartitionProgress, PendingMarker
 
-from .engine_support import TopicWatcher, eventually
-from .workload import copy_identity, high_watermarks
+from .engine_support import TopicWatcher, eventually, high_watermarks
+from .workload import copy_identity
 
 pytestmark = [pytest.mark.integration]
 

@@ -30,8 +30,8 @@ from tracker.partitioning import markers_partition
 from tracker.protocol import Marker
 from tracker.runtime import create_tracker
 
-from .engine_support import TopicWatcher, eventually, tracker_settings
-from .workload import Ledger, Worker, copy_identity, high_watermarks, produce_over_time
+from .engine_support import TopicWatcher, eventually, high_watermarks, tracker_settings
+from .workload import Ledger, Worker, copy_identity, produce_over_time
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -231,7 +231,7 @@ async def test_two_replicas_hand_partitions_over_without_double_redelivery(
         final_epochs = {
             p: epoch for p, (epoch, _) in (await b.tracker.store.partition_offsets(markers)).items()
         }
-        ledger = Ledger.build(sent, watcher.on(topic), worker)
+        ledger = Ledger.build(sent, await watcher.read_to_end(topic), worker)
 
     taken_over = [p for p in b.redelivered_from[by_b_before_takeover:] if p in split_a]
     by_replica = {a.name: Counter(a.redelivered), b.name: Counter(b.redelivered)}

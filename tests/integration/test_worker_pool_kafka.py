@@ -268,7 +268,7 @@ async def test_a_slow_handler_keeps_its_lease_and_a_hung_one_is_retried(
 
             await eventually(nothing_tracked, within=30, what="every message settled")
             stats = await running.stop()
-        copies = [copy_identity(record) for record in watcher.on(topic)]
+        copies = [copy_identity(record) for record in await watcher.read_to_end(topic)]
     copied = Counter(identity[0] for identity in copies if identity is not None)
     # The hung one was copied once (its retry); the slow one, renewed, never.
     assert copied == {MessageId(topic, 0, 1): 1}

@@ -30,8 +30,7 @@ from tracker.runtime import create_tracker, engine_api_context
 from tracker.store.dialects import create_engine
 
 from .api_support import bearer, client_for
-from .engine_support import TopicWatcher, eventually, tracker_settings
-from .workload import high_watermarks
+from .engine_support import TopicWatcher, eventually, high_watermarks, tracker_settings
 
 pytestmark = [pytest.mark.integration]
 

@@ -7,8 +7,6 @@
 * :class:`Ledger` joins what the queue topic holds (originals and the tracker's copies, from a
   :class:`~engine_support.TopicWatcher`) with what the worker received and acked, and answers
   "was anything lost / redelivered after its ack / duplicated".
-* :func:`high_watermarks` reads a topic to its end and returns each partition's high watermark
-  (from fetch responses: tansu answers ListOffsets wrongly after batched produces).
 """
 
 from __future__ import annotations
@@ -20,10 +18,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
-
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from support.broker import topic_partition_ids
 
 from tracker import headers as h
 from tracker.client import KmqMessage, KmqProducer
@@ -230,25 +224,3 @@ class Ledger:
             f"{len(self.never_acked())} never acked, "
             f"{len(self.acked_then_redelivered())} redelivered after an ack"
         )
-
-
-async def high_watermarks(bootstrap: str, topic: str, within: float = 30.0) -> dict[int, int]:
-    """Each partition's high watermark, by reading ``topic`` to its end (fetch responses)."""
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await c.start()
-    try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        partitions = await topic_partition_ids(bootstrap, topic, within=within)
-        tps = [TopicPartition(topic, p) for p in partitions]
-        c.assign(tps)
-        await c.seek_to_beginning(*tps)
-        while True:
-            await c.getmany(timeout_ms=200, max_records=100_000)
-            marks: list[Any] = [c.highwater(tp) for tp in tps]
-            positions = [await c.position(tp) for tp in tps]
-            if None not in marks and positions == marks:
-                return {tp.partition: int(m) for tp, m in zip(tps, marks, strict=True)}
-            assert loop.time() < deadline, f"could not read {topic} to its end"
-    finally:
-        await c.stop()

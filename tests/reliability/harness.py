@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
-from integration.engine_support import Seen, consumer
-from integration.workload import Ledger, Reception, Worker, high_watermarks, message_index
+from integration.engine_support import Seen, consumer, high_watermarks
+from integration.workload import Ledger, Reception, Worker, message_index
 from support.broker import topic_partition_ids
 
 from tracker.client import KmqMessage

@@ -38,7 +38,7 @@ from integration.api_support import (
     insert_dead_letters,
     insert_entries,
 )
-from integration.workload import high_watermarks
+from integration.engine_support import high_watermarks
 from sqlalchemy import func, inspect, select
 
 from api.app import create_app

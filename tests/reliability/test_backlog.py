@@ -26,8 +26,7 @@ from collections.abc import Iterator
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from integration.engine_support import FAST_GROUP, tracker_settings
-from integration.workload import high_watermarks
+from integration.engine_support import FAST_GROUP, high_watermarks, tracker_settings
 from support.broker import TopicFactory, unique_topic
 
 from tracker import headers as h

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration.engine_support import FAST_GROUP, tracker_settings
-from integration.workload import Ledger, high_watermarks, message_index
+from integration.engine_support import FAST_GROUP, high_watermarks, tracker_settings
+from integration.workload import Ledger, message_index
 from support.broker import create_topics, unique_topic
 
 from tracker.client import KmqMessage, KmqProducer

@@ -185,7 +185,7 @@ async def test_consumers_killed_mid_batch_lose_nothing(
         await last.kill()
         copies: dict[MessageId, set[int]] = defaultdict(set)
         copied_ms: dict[tuple[MessageId, int], int] = {}
-        for record in watcher.on(topic):
+        for record in await watcher.read_to_end(topic):
             identity = copy_identity(record)
             if identity is not None:
                 copies[identity[0]].add(identity[1])

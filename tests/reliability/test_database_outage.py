@@ -39,8 +39,8 @@ from typing import Any, Protocol
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from integration.engine_support import FAST_GROUP, TopicWatcher, tracker_settings
-from integration.workload import Ledger, high_watermarks, message_index, produce_over_time
+from integration.engine_support import FAST_GROUP, TopicWatcher, high_watermarks, tracker_settings
+from integration.workload import Ledger, message_index, produce_over_time
 from support.broker import TopicFactory, unique_topic
 from support.databases import sqlite_url
 from support.private_postgres import PrivatePostgres
@@ -343,7 +343,7 @@ async def run_outage(
             markers=markers,
             within=60,
         )
-        ledger = Ledger.build(sent, watcher.on(topic), worker)
+        ledger = Ledger.build(sent, await watcher.read_to_end(topic), worker)
 
     figures = report(
         ledger_figures(

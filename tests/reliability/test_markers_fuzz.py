@@ -44,8 +44,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
-from integration.engine_support import FAST_GROUP, tracker_settings
-from integration.workload import high_watermarks
+from integration.engine_support import FAST_GROUP, high_watermarks, tracker_settings
 from support.broker import TopicFactory, create_topics, delete_topics, unique_topic
 from support.databases import sqlite_url
 

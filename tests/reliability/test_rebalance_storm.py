@@ -223,7 +223,7 @@ async def test_replicas_join_and_leave_repeatedly(
             markers=markers,
             within=60,
         )
-        ledger = Ledger.build(sent, watcher.on(topic), worker)
+        ledger = Ledger.build(sent, await watcher.read_to_end(topic), worker)
 
     by_replica = {r.name: Counter(r.copies) for r in all_replicas}
     twice = [
