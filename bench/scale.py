@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+from aiokafka import AIOKafkaProducer
 from sqlalchemy import text
 
 from tracker.clock import SystemClock, to_millis
@@ -276,6 +277,32 @@ def console_pages(queue: str, message_ids: list[str]) -> dict[str, str | list[st
     }
 
 
+async def produce_originals(bootstrap: str, queue: str, origins: list[dict[str, int]]) -> None:
+    """Write the records that the console's message pages show, at their tracked offsets.
+
+    The seeder tracks messages without producing them (1M records would dominate the run),
+    so the queue's partitions are empty; a message page would then ask Kafka for a record
+    past the end of its partition, which takes a broker a fetch wait to prove absent (~100 ms
+    on tansu) and is not what an operator looks at: a tracked message's record exists.
+    The queue topic is fresh, so record n of a partition lands at offset n.
+    """
+    wanted: dict[int, int] = {}
+    for origin in origins:
+        partition = origin["partition"]
+        wanted[partition] = max(wanted.get(partition, 0), origin["offset"] + 1)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        sent = [
+            await producer.send(queue, b"p" * 100, partition=partition)
+            for partition, count in wanted.items()
+            for _ in range(count)
+        ]
+        await asyncio.gather(*sent)
+    finally:
+        await producer.stop()
+
+
 class StoreSeeder(Protocol):
     """What :func:`measure` asks of a seeder (per-message here, ranges in scale_ranges)."""
 
@@ -433,6 +460,7 @@ async def _api_load(
     before = await highwaters(infra.bootstrap, markers)
     client = layouts["engine"]
     listed = (await client.get(f"/v1/messages?limit={MESSAGE_PAGES}")).json()["items"]
+    await produce_originals(infra.bootstrap, queue, [item["origin"] for item in listed])
     pages = console_pages(queue, [item["id"] for item in listed])
     total = seconds * (len(ENDPOINTS) + len(pages)) * len(layouts) + 4
     process = multiprocessing.get_context("spawn").Process(
