@@ -19,12 +19,15 @@ class InMemoryMarkerSink:
     """A :class:`tracker.client.marker_sink.MarkerSink` that keeps markers in a list.
 
     Markers go through the real encoder and decoder, so an invalid one fails here as it would
-    against Kafka. Set ``fail`` to make the next writes raise :class:`MarkerWriteFailed`.
+    against Kafka. Set ``fail`` to make the next writes raise :class:`MarkerWriteFailed`; a
+    ``send_later`` while failing loses its marker and the next ``flush`` raises, as the Kafka
+    sink does.
     """
 
     def __init__(self) -> None:
         self.markers: list[AnyMarker] = []
         self.fail = False
+        self._lost = False
 
     @property
     def v1(self) -> list[Marker]:
@@ -39,13 +42,17 @@ class InMemoryMarkerSink:
 
     def send_later(self, marker: AnyMarker) -> None:
         """Like the Kafka sink: a failure is not raised to the caller (the marker is lost)."""
-        if not self.fail:
-            self.markers.append(decode_marker(encode_any(marker)))
+        encoded = encode_any(marker)  # an invalid marker raises to the caller, as in Kafka
+        if self.fail:
+            self._lost = True
+        else:
+            self.markers.append(decode_marker(encoded))
 
     async def send_all(self, markers: Sequence[AnyMarker]) -> None:
         for marker in markers:
             await self.send(marker)
 
     async def flush(self) -> None:
-        if self.fail:
+        lost, self._lost = self._lost, False
+        if self.fail or lost:
             raise MarkerWriteFailed("InMemoryMarkerSink was told to fail")

@@ -10,9 +10,9 @@ queue topic (originals and copies) and the consumers' output:
 (a) nothing lost: every message was acked, or its ack was in doubt when the process died (its
     SETTLE may have reached the broker) and no copy of a later attempt came;
 (b) nothing acked-then-redelivered: no copy with attempt n+1 produced after attempt n of its
-    origin was confirmed acked, unless that very record was handed to a later incarnation
-    again between the ack and the copy (its offset commit had not landed) and that delivery
-    was never acked;
+    origin was confirmed acked, unless that very record was STARTed again (read by a later
+    incarnation: its offset commit had not landed) between the ack and the copy, as the
+    markers topic shows;
 (c) the dropped messages (index multiple of 10) all came back as copies.
 
 ``make soak`` runs it with ``KMQ_SOAK=1``: 50 kills and 3,000 messages.
@@ -36,6 +36,8 @@ from integration.workload import copy_identity, produce_over_time
 from support.broker import TopicFactory
 
 from tracker.ids import MessageId
+from tracker.protocol import Marker, MarkerKind, decode_marker
+from tracker.protocol_v2 import RangeKind, RangeMarker
 
 from .harness import Figures, report, size
 
@@ -137,7 +139,7 @@ async def test_consumers_killed_mid_batch_lose_nothing(
     policy = {"processing_timeout": LEASE_S, "max_attempts": 10}
     async with (
         running_tracker(env, default_policy=policy) as tracker,
-        TopicWatcher(kafka_bootstrap, topic) as watcher,
+        TopicWatcher(kafka_bootstrap, topic, markers) as watcher,
     ):
         producing = asyncio.create_task(
             # Spread over the kill phase (a cycle is ~8 s: the dead member times out, a join,
@@ -185,11 +187,23 @@ async def test_consumers_killed_mid_batch_lose_nothing(
         await last.kill()
         copies: dict[MessageId, set[int]] = defaultdict(set)
         copied_ms: dict[tuple[MessageId, int], int] = {}
+        #: where each (origin, attempt) sits in the queue topic (attempt 1: the origin itself)
+        position: dict[tuple[MessageId, int], MessageId] = {(o, 1): o for o in sent}
         for record in await watcher.read_to_end(topic):
             identity = copy_identity(record)
             if identity is not None:
                 copies[identity[0]].add(identity[1])
                 copied_ms[identity] = record.timestamp_ms
+                position[identity] = MessageId(record.topic, record.partition, record.offset)
+        #: queue-topic position -> when a START for it was written (ms), every time
+        started_ms: dict[MessageId, list[int]] = defaultdict(list)
+        for record in await watcher.read_to_end(markers):
+            marker = decode_marker(record.value)
+            if isinstance(marker, RangeMarker) and marker.kind is RangeKind.RANGE_START:
+                for message in marker.messages():
+                    started_ms[message].append(record.timestamp_ms)
+            elif isinstance(marker, Marker) and marker.kind is MarkerKind.START:
+                started_ms[marker.message].append(record.timestamp_ms)
 
     acked = confirmed()
     # In doubt: the last attempt of an origin whose ack may or may not have reached the
@@ -220,14 +234,12 @@ async def test_consumers_killed_mid_batch_lose_nothing(
     # process died before the offset commit that follows the hand-over, so the partition's next
     # owner read the same record again, STARTed it (a new delivery) and was killed before it
     # acked; the copy is that delivery's (docs/reliability.md, "When duplicates happen").
-    # The re-read must fall between the ack and the copy: one after the copy cannot explain it.
+    # The markers topic decides, not the consumers' output: a batch prepared ahead is STARTed
+    # before the application sees it, so a re-read can be killed before it prints anything.
+    # The START must fall between the ack and the copy: one after the copy cannot explain it.
     def reread_unsettled(item: tuple[MessageId, int]) -> bool:
         copied = copied_ms[(item[0], item[1] + 1)]
-        return any(
-            item not in incarnation.acked
-            and any(confirmed_ms[item] < at <= copied for at in incarnation.got_ms.get(item, ()))
-            for incarnation in incarnations
-        )
+        return any(confirmed_ms[item] < at <= copied for at in started_ms[position[item]])
 
     acked_pairs = [(o, n) for o, attempts in acked.items() for n in attempts if n + 1 in copies[o]]
     copied_after = [(o, n) for o, n in acked_pairs if copied_ms[(o, n + 1)] > confirmed_ms[(o, n)]]

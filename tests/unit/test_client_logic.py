@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from aiokafka.errors import KafkaTimeoutError
 from support.records import RECORDS_AT, FakeRecord
 
 from tracker.client.marker_sink import KafkaMarkerSink
@@ -13,7 +15,13 @@ from tracker.client.open_ranges import RangeBook
 from tracker.client.planning import Action, SeenCopies, plan_batch
 from tracker.client.producer import resolve_deliver_at
 from tracker.clock import ManualClock
-from tracker.errors import AlreadySettled, InvalidDelay, InvalidHeader, MarkerError
+from tracker.errors import (
+    AlreadySettled,
+    InvalidDelay,
+    InvalidHeader,
+    MarkerError,
+    MarkerWriteFailed,
+)
 from tracker.headers import KmqHeaders, format_deliver_at, without_kmq_headers
 from tracker.ids import MessageId
 from tracker.protocol import MAX_REASON_LENGTH, Marker, MarkerKind
@@ -315,3 +323,80 @@ async def test_an_invalid_marker_nobody_waits_for_is_refused_to_its_writer() -> 
         sink.send_later(bad)
     assert sink._open == {}
     assert sink._pending_start == []
+
+
+class _BatchStub:
+    """What the sink uses of aiokafka's batch builder: it takes every record."""
+
+    def append(self, **_: object) -> object:
+        return object()
+
+    def close(self) -> None:
+        pass
+
+
+class _RefusingProducer:
+    """A producer whose broker refuses every batch (the delivery future fails)."""
+
+    class _Cluster:
+        def partitions_for_topic(self, _topic: str) -> set[int]:
+            return {0}
+
+    def __init__(self) -> None:
+        self.client = self
+        self.refuse = True
+
+    async def fetch_all_metadata(self) -> _Cluster:
+        return self._Cluster()
+
+    async def partitions_for(self, _topic: str) -> set[int]:
+        return {0}
+
+    def create_batch(self) -> _BatchStub:
+        return _BatchStub()
+
+    async def send_batch(self, *_: object, **__: object) -> asyncio.Future[object]:
+        delivered: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        if self.refuse:
+            delivered.set_exception(KafkaTimeoutError())
+        else:
+            delivered.set_result(object())
+        return delivered
+
+    async def flush(self) -> None:
+        pass
+
+
+async def test_a_flush_raises_when_a_marker_nobody_waited_for_was_refused() -> None:
+    """``send_later`` cannot raise a broker failure, so ``flush`` must: a flush that returned
+    after a refused ACK told its caller the message was settled when the tracker will in fact
+    redeliver it. The failure is reported once, whether it came before or during the flush."""
+    producer = _RefusingProducer()
+    sink = KafkaMarkerSink(producer=producer, markers_topic="kmq-markers")
+    ack = Marker.ack("billing", MessageId("orders", 0, 7))
+    sink.send_later(ack)  # the flush waits for it
+    with pytest.raises(MarkerWriteFailed, match="not acknowledged"):
+        await sink.flush()
+    await sink.flush()  # reported once; nothing new is queued
+
+    sink.send_later(ack)
+    for _ in range(10):  # let the refusal settle before anyone flushes
+        await asyncio.sleep(0)
+    assert sink._unsettled == set()
+    with pytest.raises(MarkerWriteFailed, match="not acknowledged"):
+        await sink.flush()
+
+    producer.refuse = False
+    sink.send_later(ack)
+    await sink.flush()
+
+
+async def test_the_in_memory_sink_reports_a_lost_marker_at_the_next_flush() -> None:
+    """The fake keeps the Kafka sink's contract (the test above)."""
+    sink = InMemoryMarkerSink()
+    sink.fail = True
+    sink.send_later(Marker.ack("billing", MessageId("orders", 0, 7)))
+    sink.fail = False
+    with pytest.raises(MarkerWriteFailed):
+        await sink.flush()
+    await sink.flush()

@@ -238,7 +238,12 @@ class KmqConsumer:
             await self._commits.finish()
             self._book.flush()
             self._book.close()
-            await self._sink.flush()
+            try:
+                await self._sink.flush()
+            except MarkerWriteFailed as exc:
+                # Stopping goes on: what was not acknowledged is covered by its START, and
+                # the tracker redelivers it (at least once); the sink logged each failure.
+                log.warning("stopping with markers not acknowledged: %s", exc)
         finally:
             await self._close_clients()
 
@@ -279,7 +284,11 @@ class KmqConsumer:
         await self.stop()
 
     async def flush(self) -> None:
-        """Send the acks not sent yet; wait until every marker so far is acknowledged."""
+        """Send the acks not sent yet; wait until every marker so far is acknowledged.
+
+        Raises :class:`MarkerWriteFailed` if one was not (acks are written without waiting, so
+        this is where a failed one shows): the messages it settled will be redelivered.
+        """
         self._book.flush()
         await self._sink.flush()
 

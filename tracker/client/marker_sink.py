@@ -38,7 +38,12 @@ class MarkerSink(Protocol):
         ...
 
     async def flush(self) -> None:
-        """Wait until everything queued so far is acknowledged."""
+        """Wait until everything queued so far is acknowledged.
+
+        Raises :class:`MarkerWriteFailed` if a marker queued so far (and not reported by an
+        earlier flush) was not acknowledged: ``send_later`` never raises a broker failure, so
+        this is where its writer learns of it.
+        """
         ...
 
 
@@ -98,6 +103,8 @@ class KafkaMarkerSink:
         self._pending_start: list[AnyMarker] = []
         self._starter: asyncio.Task[None] | None = None
         self._start_lock = asyncio.Lock()
+        #: a failure of a marker nobody waits for, not yet reported by ``flush``
+        self._lost: BaseException | None = None
 
     @property
     def topic(self) -> str:
@@ -210,6 +217,7 @@ class KafkaMarkerSink:
             exc = done.exception()  # retrieved here, so an unawaited failure is not "lost"
             if exc is not None and group.watched:
                 _warn_unacknowledged(exc)
+                self._lost = exc
 
         return settled
 
@@ -236,6 +244,7 @@ class KafkaMarkerSink:
             await self._started()
         except MarkerWriteFailed as exc:
             _warn_unacknowledged(exc)
+            self._lost = exc
 
     async def send_all(self, markers: Sequence[AnyMarker]) -> None:
         await self._started()
@@ -255,6 +264,11 @@ class KafkaMarkerSink:
         Only for those: markers other tasks queue meanwhile are not waited for, so a flush
         ends after about one round trip however busy the sink is (waiting for the writers to
         go idle instead starved a flush under a worker pool's steady acks and renewals).
+
+        A flush that returns means they were all acknowledged: a group that failed (now, or
+        since the last flush, for markers nobody waits for) raises :class:`MarkerWriteFailed`
+        here, once. Returning instead made a caller that flushed its acks before, say,
+        reporting work done believe markers written that the broker refused.
         """
         if self._starter is not None and not self._starter.done():
             await asyncio.wait({self._starter})
@@ -266,6 +280,11 @@ class KafkaMarkerSink:
             await self._producer.flush()
         except KafkaError as exc:
             raise MarkerWriteFailed(f"flushing markers failed: {exc!r}") from exc
+        failures = [done.exception() for done in pending if not done.cancelled()]
+        lost, self._lost = self._lost, None
+        cause = next((failure for failure in failures if failure is not None), lost)
+        if cause is not None:
+            raise MarkerWriteFailed(f"markers were not acknowledged: {cause}") from cause
 
 
 async def _wait_for(done: asyncio.Future[None]) -> None:
