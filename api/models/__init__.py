@@ -73,7 +73,7 @@ from .redrive_models import (
     RedriveJobPage,
     RedriveJobView,
 )
-from .topic_models import BackoffView, PolicyView, TopicList, TopicStats
+from .topic_models import BackoffView, GroupStats, PolicyView, TopicList, TopicStats
 
 __all__ = [
     "EXAMPLE_TIME",
@@ -97,6 +97,7 @@ __all__ = [
     "ErrorResponse",
     "ExtendBody",
     "GroupId",
+    "GroupStats",
     "HeaderPreview",
     "Health",
     "ItemState",

@@ -56,8 +56,36 @@ class PolicyView(BaseModel):
     )
 
 
+class GroupStats(BaseModel):
+    """One consumer group's messages of a topic, by state, and its dead letters."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "group": "billing",
+                    "in_flight": 80,
+                    "delayed": 8,
+                    "rejected": 0,
+                    "lost": 1,
+                    "dead_lettered": 14,
+                    "dead_letters_waiting": 3,
+                }
+            ]
+        }
+    )
+
+    group: str
+    in_flight: int
+    delayed: int
+    rejected: int
+    lost: int
+    dead_lettered: int = Field(description="Dead letters recorded (redriven or not).")
+    dead_letters_waiting: int = Field(description="Dead letters not redriven.")
+
+
 class TopicStats(BaseModel):
-    """What the tracker holds for one origin topic (all consumer groups together)."""
+    """What the tracker holds for one origin topic: all consumer groups together, then each."""
 
     topic: str
     in_flight: int
@@ -79,6 +107,10 @@ class TopicStats(BaseModel):
     )
     dead_lettered_in_window: int = Field(description="Dead-lettered in the window (all replicas).")
     dead_lettered_per_minute: float
+    groups: list[GroupStats] = Field(
+        description="The counts of each consumer group with messages tracked or dead letters, "
+        "by name (they add up to the topic's). Ages and rates are the topic's."
+    )
     policy: PolicyView
 
     model_config = ConfigDict(
@@ -101,6 +133,18 @@ class TopicStats(BaseModel):
                     "redeliveries_window_seconds": 300.0,
                     "dead_lettered_in_window": 1,
                     "dead_lettered_per_minute": 0.2,
+                    "groups": [
+                        example_of(GroupStats),
+                        {
+                            "group": "audit",
+                            "in_flight": 40,
+                            "delayed": 0,
+                            "rejected": 0,
+                            "lost": 0,
+                            "dead_lettered": 0,
+                            "dead_letters_waiting": 0,
+                        },
+                    ],
                     "policy": example_of(PolicyView),
                 }
             ]

@@ -1,6 +1,6 @@
 """Per-topic statistics and the effective policy.
 
-Counts come from the store (all replicas, all consumer groups). The dead-letter rate is
+Counts come from the store (all replicas; all consumer groups, then each). The dead-letter rate is
 counted from the store too; the redelivery rate from this process's counter history
 (:mod:`api.rates`), since redeliveries leave no row behind: with several replicas each one
 reports its own (sum them in Prometheus, ``kmq_redeliveries_total``).
@@ -17,7 +17,14 @@ from tracker.store.inspection import TopicCounts
 
 from ..context import ApiContext
 from ..deps import Context, Reader
-from ..models import TOPIC_PATTERN, BackoffView, PolicyView, TopicList, TopicStats
+from ..models import (
+    TOPIC_PATTERN,
+    BackoffView,
+    GroupStats,
+    PolicyView,
+    TopicList,
+    TopicStats,
+)
 from ..views import when
 from . import READ_ERRORS, errors
 
@@ -66,6 +73,18 @@ def _stats(context: ApiContext, counts: TopicCounts, window: int, now_ms: int) -
         redeliveries_window_seconds=covered,
         dead_lettered_in_window=counts.dead_lettered_recently,
         dead_lettered_per_minute=counts.dead_lettered_recently / window,
+        groups=[
+            GroupStats(
+                group=name,
+                in_flight=group.in_flight,
+                delayed=group.delayed,
+                rejected=group.rejected,
+                lost=group.lost,
+                dead_lettered=group.dead_lettered,
+                dead_letters_waiting=group.dead_letters_waiting,
+            )
+            for name, group in sorted(counts.groups.items())
+        ],
         policy=policy_view(counts.topic, context.settings.policy_for(counts.topic)),
     )
 

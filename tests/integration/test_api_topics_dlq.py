@@ -46,6 +46,9 @@ async def test_topic_statistics_and_policy(env: ApiEnv) -> None:
             entry(4, state=State.DELAYED, due_at_ms=now + 30_000),
             entry(5, state=State.LOST),
             entry(6, state=State.REJECTED, due_at_ms=now),
+            # Another group on the same topic: counted in the topic's figures and on its own.
+            entry(7, group="audit", due_at_ms=now + 1000),
+            entry(8, group="audit", state=State.DELAYED, due_at_ms=now + 60_000),
         ],
     )
     await insert_dead_letters(
@@ -62,12 +65,18 @@ async def test_topic_statistics_and_policy(env: ApiEnv) -> None:
     response = await env.client.get("/v1/topics/orders", params={"window_minutes": 5})
     assert response.status_code == 200, response.text
     stats = response.json()
-    assert (stats["in_flight"], stats["delayed"], stats["rejected"], stats["lost"]) == (2, 2, 1, 1)
+    assert (stats["in_flight"], stats["delayed"], stats["rejected"], stats["lost"]) == (3, 3, 1, 1)
+    counted = ("in_flight", "delayed", "rejected", "lost", "dead_lettered", "dead_letters_waiting")
+    assert {g["group"]: tuple(g[name] for name in counted) for g in stats["groups"]} == {
+        "audit": (1, 1, 0, 0, 0, 0),
+        "billing": (2, 2, 1, 1, 3, 2),
+    }
+    assert [g["group"] for g in stats["groups"]] == ["audit", "billing"]
     assert (stats["dead_lettered"], stats["dead_letters_waiting"]) == (3, 2)
     assert stats["dead_lettered_in_window"] == 2
     assert stats["dead_lettered_per_minute"] == pytest.approx(0.4)
-    # entry(2) was first seen 2 s before entry(1): the oldest in flight.
-    assert stats["oldest_in_flight_first_seen"] == iso(T0 - 2000).replace("+00:00", "Z")
+    # The oldest in flight of any group: entry(7), first seen 7 s before T0 (audit's).
+    assert stats["oldest_in_flight_first_seen"] == iso(T0 - 7000).replace("+00:00", "Z")
     assert stats["next_delayed_due"] == iso(now + 30_000).replace("+00:00", "Z")
     assert stats["policy"]["max_attempts"] == 3
     assert stats["policy"]["dlq_topic"] == "orders.dlq"
@@ -79,6 +88,8 @@ async def test_topic_statistics_and_policy(env: ApiEnv) -> None:
     assert by_topic["payments"]["policy"]["max_attempts"] == 9
     assert by_topic["payments"]["policy"]["dlq_topic"] == "payments-dead"
     assert by_topic["payments"]["in_flight"] == 0
+    assert by_topic["payments"]["groups"] == []
+    assert by_topic["orders"]["groups"] == stats["groups"]
 
     unknown = (await env.client.get("/v1/topics/never-seen")).json()
     assert (unknown["in_flight"], unknown["dead_lettered"]) == (0, 0)

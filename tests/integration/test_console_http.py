@@ -62,9 +62,15 @@ def csrf_of(page: str) -> str:
     return found.group(1)
 
 
-def cell(page: str, topic: str, column: str) -> str:
-    row = re.search(rf'<tr data-topic="{re.escape(topic)}">(.*?)</tr>', page, re.S)
-    assert row, f"no row for {topic}"
+def cell(page: str, topic: str, column: str, *, group: str | None = None) -> str:
+    """A column of the overview's row of ``topic``, or of its ``group``'s row under it."""
+    opening = (
+        f'<tr data-topic="{re.escape(topic)}">'
+        if group is None
+        else f'<tr class="sub" data-topic="{re.escape(topic)}" data-group="{re.escape(group)}">'
+    )
+    row = re.search(rf"{opening}(.*?)</tr>", page, re.S)
+    assert row, f"no row for {topic} {group or ''}"
     value = re.search(rf'data-col="{column}">(.*?)</td>', row.group(1), re.S)
     assert value, f"no {column} column"
     return re.sub(r"<[^>]+>", "", value.group(1)).strip()
@@ -141,6 +147,10 @@ async def test_overview_counts_the_store(env: ApiEnv) -> None:
             entry(3, due_at_ms=now - 5_000),  # its lease ran out: due now
             entry(4, state=State.DELAYED, due_at_ms=now + 60_000),
             entry(5, topic="payments", due_at_ms=now + 600_000),
+            # A second group reads orders too: the overview shows each group's share.
+            entry(6, group="audit", due_at_ms=now + 600_000),
+            entry(7, group="audit", state=State.DELAYED, due_at_ms=now + 60_000),
+            entry(8, group="audit", state=State.LOST, due_at_ms=None),
         ],
     )
     await insert_dead_letters(
@@ -152,11 +162,23 @@ async def test_overview_counts_the_store(env: ApiEnv) -> None:
     )
     client = await browser(env, READ_TOKEN)
     page = (await client.get("/console/")).text
-    assert cell(page, "orders", "in_flight") == "3"
-    assert cell(page, "orders", "delayed") == "1"
+    assert cell(page, "orders", "in_flight") == "4"
+    assert cell(page, "orders", "delayed") == "2"
+    assert cell(page, "orders", "rejected") == "1"
     assert cell(page, "orders", "due") == "1"
     assert cell(page, "orders", "dead_letters") == "1 / 2"
+    by_group = {
+        group: [
+            cell(page, "orders", col, group=group)
+            for col in ("in_flight", "delayed", "rejected", "dead_letters")
+        ]
+        for group in ("audit", "billing")
+    }
+    assert by_group == {"audit": ["1", "1", "1", "0 / 0"], "billing": ["3", "1", "0", "1 / 2"]}
+    assert "/console/topics/orders?group=audit" in page
     assert cell(page, "payments", "in_flight") == "1"
+    assert cell(page, "payments", "group") == "group billing"  # its only group, named inline
+    assert 'data-topic="payments" data-group=' not in page
     series = re.search(r'data-series="([^"]+)"', page)
     assert series
     assert '"dead_letters"' in html.unescape(series.group(1))

@@ -16,7 +16,7 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import DefaultClause
@@ -35,7 +35,7 @@ from tracker.store.migrate import (
 )
 from tracker.store.models import Base
 from tracker.store.store_errors import SchemaOutdated
-from tracker.store.tables import dead_letters, tracked
+from tracker.store.tables import dead_letters, ranges_table, tracked
 
 pytestmark = [pytest.mark.integration]
 
@@ -233,8 +233,12 @@ async def test_upgrade_to_0003_counts_the_rows_already_there(engine: AsyncEngine
     kept, recount = await counters_and_recount(engine)
     assert kept == recount
     assert kept == (
-        {(0, "orders", "in_flight"): 2, (1, "orders", "delayed"): 1, (2, "audit", "lost"): 1},
-        {"orders": (2, 1)},
+        {
+            (0, "orders", "g", "in_flight"): 2,
+            (1, "orders", "g", "delayed"): 1,
+            (2, "audit", "g", "lost"): 1,
+        },
+        {("orders", "g"): (2, 1)},
     )
     # Dead letters are counted by triggers from then on, whoever writes them.
     async with engine.begin() as conn:
@@ -242,9 +246,107 @@ async def test_upgrade_to_0003_counts_the_rows_already_there(engine: AsyncEngine
         await conn.execute(dead_letters.insert(), letters[:1])
     kept, recount = await counters_and_recount(engine)
     assert kept == recount
-    assert kept[1] == {"orders": (3, 1)}
+    assert kept[1] == {("orders", "g"): (3, 1)}
     async with engine.begin() as conn:
         await conn.execute(dead_letters.delete().where(dead_letters.c.redriven_ms.is_(None)))
     kept, recount = await counters_and_recount(engine)
     assert kept == recount
-    assert kept[1] == {"orders": (2, 0)}
+    assert kept[1] == {("orders", "g"): (2, 0)}
+
+
+async def test_upgrade_to_0008_counts_each_group_and_downgrade_adds_them_up(
+    engine: AsyncEngine,
+) -> None:
+    """A store upgraded with the entries, ranges and dead letters of two groups on one topic
+    starts with per-group counters that match its rows, and its triggers keep the dead
+    letters' per group; a downgrade gives back the per-topic counters and triggers."""
+    await upgrade(engine, "0007")
+    row = {
+        "origin_topic": "orders",
+        "origin_partition": 0,
+        "attempt": 1,
+        "copy_topic": "orders",
+        "copy_partition": 0,
+        "copy_offset": 0,
+        "due_at_ms": 1,
+        "first_seen_ms": 1,
+        "updated_ms": 1,
+        "markers_partition": 0,
+    }
+    entries = [
+        {**row, "group_id": group, "origin_offset": i, "state": state}
+        for i, (group, state) in enumerate(
+            [("billing", "in_flight"), ("billing", "delayed"), ("audit", "delayed")]
+        )
+    ]
+    tracked_range = {
+        "group_id": "audit",
+        "origin_topic": "orders",
+        "origin_partition": 0,
+        "first_offset": 10,
+        "last_offset": 14,
+        "markers_partition": 0,
+        "open_bits": bytes([0b10111]),
+        "open_count": 4,
+        "due_at_ms": 1,
+        "first_seen_ms": 1,
+        "updated_ms": 1,
+    }
+    letter = {
+        "origin_topic": "orders",
+        "origin_partition": 0,
+        "source_topic": "orders",
+        "source_partition": 0,
+        "source_offset": 0,
+        "dlq_topic": "orders.dlq",
+        "dlq_partition": 0,
+        "dlq_offset": 0,
+        "reason": "r",
+        "attempts": 3,
+        "first_seen_ms": 1,
+        "dead_lettered_ms": 2,
+    }
+    letters = [
+        {**letter, "group_id": group, "origin_offset": 20 + i, "redriven_ms": redriven}
+        for i, (group, redriven) in enumerate([("billing", None), ("audit", None), ("audit", 5)])
+    ]
+    async with engine.begin() as conn:
+        await conn.execute(tracked.insert(), entries)
+        await conn.execute(ranges_table.insert(), [tracked_range])
+        await conn.execute(dead_letters.insert(), letters)
+    await upgrade(engine)
+
+    kept, recount = await counters_and_recount(engine)
+    assert kept == recount
+    assert kept == (
+        {
+            (0, "orders", "billing", "in_flight"): 1,
+            (0, "orders", "billing", "delayed"): 1,
+            (0, "orders", "audit", "delayed"): 1,
+            (0, "orders", "audit", "in_flight"): 4,
+        },
+        {("orders", "billing"): (1, 1), ("orders", "audit"): (2, 1)},
+    )
+    # The triggers count each group from then on, on both engines.
+    async with engine.begin() as conn:
+        await conn.execute(dead_letters.update().values(redriven_ms=9))
+        await conn.execute(dead_letters.insert(), letters[:1])
+        await conn.execute(dead_letters.delete().where(dead_letters.c.group_id == "audit"))
+    kept, recount = await counters_and_recount(engine)
+    assert kept == recount
+    assert kept[1] == {("orders", "billing"): (2, 1)}
+
+    await downgrade(engine, "0007")
+    async with engine.begin() as conn:
+        await conn.execute(dead_letters.insert(), letters[1:2])  # the old triggers count it
+        old = await conn.execute(
+            text("SELECT markers_partition, origin_topic, state, entries FROM tracked_counts")
+        )
+        assert sorted(tuple(r) for r in old) == [
+            (0, "orders", "delayed", 2),
+            (0, "orders", "in_flight", 5),
+        ]
+        old = await conn.execute(
+            text("SELECT origin_topic, total, waiting FROM dead_letter_counts")
+        )
+        assert [tuple(r) for r in old] == [("orders", 3, 2)]

@@ -191,7 +191,7 @@ async def test_topic_counts_follow_ingest_claims_and_rounds(store: Store) -> Non
 
     kept, recount = await counters_and_recount(store.engine)
     assert kept == recount
-    assert kept[0] == {(0, TOPIC, "delayed"): 2, (1, "audit", "lost"): 1}
+    assert kept[0] == {(0, TOPIC, GROUP, "delayed"): 2, (1, "audit", GROUP, "lost"): 1}
 
 
 async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store: Store) -> None:
@@ -219,7 +219,7 @@ async def test_taking_partitions_over_recounts_their_counters(store: Store) -> N
         await conn.execute(delete(tracked_counts))
         await conn.execute(
             tracked_counts.insert().values(
-                markers_partition=0, origin_topic=TOPIC, state="lost", entries=7
+                markers_partition=0, origin_topic=TOPIC, group_id=GROUP, state="lost", entries=7
             )
         )
     kept, recount = await counters_and_recount(store.engine)
@@ -227,11 +227,11 @@ async def test_taking_partitions_over_recounts_their_counters(store: Store) -> N
 
     await claim(store, [0], owner="b")
     kept, _ = await counters_and_recount(store.engine)
-    assert kept[0] == {(0, TOPIC, "in_flight"): 2}  # partition 1 not taken over: as it was
+    assert kept[0] == {(0, TOPIC, GROUP, "in_flight"): 2}  # partition 1 not taken over: as it was
     await claim(store, [1], owner="b")
     kept, recount = await counters_and_recount(store.engine)
     assert kept == recount
-    assert kept[0] == {(0, TOPIC, "in_flight"): 2, (1, "audit", "in_flight"): 1}
+    assert kept[0] == {(0, TOPIC, GROUP, "in_flight"): 2, (1, "audit", GROUP, "in_flight"): 1}
 
 
 async def test_requests_racing_with_one_idempotency_key_get_one_answer(store: Store) -> None:

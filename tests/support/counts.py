@@ -1,4 +1,4 @@
-"""Checks that the counters the database keeps (migration 0003) match their tables.
+"""Checks that the counters the database keeps (migrations 0003, 0008) match their tables.
 
 ``tracked_counts`` is kept by the store in every transaction that writes entries,
 ``dead_letter_counts`` by triggers. The store, API and engine fixtures call
@@ -29,45 +29,46 @@ async def counters_and_recount(engine: AsyncEngine) -> tuple[Any, Any]:
     c, dc = tracked_counts.c, dead_letter_counts.c
     async with engine.connect() as conn:
         kept_entries = {
-            (p, topic, state): n
-            for p, topic, state, n in await conn.execute(
-                select(c.markers_partition, c.origin_topic, c.state, c.entries)
+            (p, topic, group, state): n
+            for p, topic, group, state, n in await conn.execute(
+                select(c.markers_partition, c.origin_topic, c.group_id, c.state, c.entries)
             )
             if n
         }
         entries = {
-            (p, topic, state): n
-            for p, topic, state, n in await conn.execute(
-                select(t.markers_partition, t.origin_topic, t.state, func.count()).group_by(
-                    t.markers_partition, t.origin_topic, t.state
-                )
+            (p, topic, group, state): n
+            for p, topic, group, state, n in await conn.execute(
+                select(
+                    t.markers_partition, t.origin_topic, t.group_id, t.state, func.count()
+                ).group_by(t.markers_partition, t.origin_topic, t.group_id, t.state)
             )
         }
         # Every open offset of a tracked range is one in-flight entry.
         r = ranges_table.c
-        for p, topic, n in await conn.execute(
-            select(r.markers_partition, r.origin_topic, func.sum(r.open_count)).group_by(
-                r.markers_partition, r.origin_topic
-            )
+        for p, topic, group, n in await conn.execute(
+            select(
+                r.markers_partition, r.origin_topic, r.group_id, func.sum(r.open_count)
+            ).group_by(r.markers_partition, r.origin_topic, r.group_id)
         ):
             if n:
-                count_key = (p, topic, "in_flight")
+                count_key = (p, topic, group, "in_flight")
                 entries[count_key] = entries.get(count_key, 0) + int(n)
         kept_dead = {
-            topic: (total, waiting)
-            for topic, total, waiting in await conn.execute(
-                select(dc.origin_topic, dc.total, dc.waiting)
+            (topic, group): (total, waiting)
+            for topic, group, total, waiting in await conn.execute(
+                select(dc.origin_topic, dc.group_id, dc.total, dc.waiting)
             )
             if total or waiting
         }
         dead = {
-            topic: (total, waiting)
-            for topic, total, waiting in await conn.execute(
+            (topic, group): (total, waiting)
+            for topic, group, total, waiting in await conn.execute(
                 select(
                     d.origin_topic,
+                    d.group_id,
                     func.count(),
                     func.sum(case((d.redriven_ms.is_(None), 1), else_=0)),
-                ).group_by(d.origin_topic)
+                ).group_by(d.origin_topic, d.group_id)
             )
         }
     return (kept_entries, kept_dead), (entries, dead)

@@ -1,11 +1,12 @@
 """The entry counters (``tracked_counts``, migration 0003): how the store keeps them exact.
 
-The topic statistics read how many entries each (markers partition, origin topic, state)
-holds from these counters instead of counting a table of millions. Every transaction that
-writes entries gathers its changes in a :class:`CountChanges` and adds them before it
-commits, so the counters move with the rows they count. Not a database trigger: entries are
-the ingest hot path, and a row trigger cost ~10 us per row on SQLite, a quarter of the
-unacked ingest rate (dead letters, written at DLQ rates, do use triggers).
+The topic statistics read how many entries each (markers partition, origin topic, consumer
+group, state) holds (migration 0008 added the group) from these counters instead of counting
+a table of millions. Every transaction that writes entries gathers its changes in a
+:class:`CountChanges` and adds them before it commits, so the counters move with the rows
+they count. Not a database trigger: entries are the ingest hot path, and a row trigger cost
+~10 us per row on SQLite, a quarter of the unacked ingest rate (dead letters, written at DLQ
+rates, do use triggers).
 
 Every writer of an entry holds its markers partition's row lock (fencing, and the admin API's
 serialization with ingest), so a transaction's view of the entries it changes is exact, and
@@ -24,8 +25,8 @@ from tracker.domain.entries import Entry
 
 from .dialects import add_to_counters
 
-#: (markers partition, origin topic, state)
-CountKey = tuple[int, str, str]
+#: (markers partition, origin topic, consumer group, state)
+CountKey = tuple[int, str, str, str]
 
 
 class CountChanges:
@@ -53,8 +54,8 @@ class CountChanges:
     async def write(self, conn: AsyncConnection, engine: AsyncEngine, table: Table) -> None:
         """Add the deltas to ``table`` (in key order: PostgreSQL locks rows in that order)."""
         rows = [
-            {"markers_partition": p, "origin_topic": t, "state": s, "entries": n}
-            for (p, t, s), n in sorted(self._deltas.items())
+            {"markers_partition": p, "origin_topic": t, "group_id": g, "state": s, "entries": n}
+            for (p, t, g, s), n in sorted(self._deltas.items())
             if n
         ]
         self._deltas.clear()
@@ -63,7 +64,7 @@ class CountChanges:
 
 
 def _key(entry: Entry) -> CountKey:
-    return (entry.markers_partition, entry.origin_topic, entry.state.value)
+    return (entry.markers_partition, entry.origin_topic, entry.group_id, entry.state.value)
 
 
 async def recount(
@@ -89,26 +90,32 @@ async def recount(
     await conn.execute(delete(counts).where(counts.c.markers_partition.in_(owned)))
     e = entries.c
     counted = (
-        select(e.markers_partition, e.origin_topic, e.state, func.count())
+        select(e.markers_partition, e.origin_topic, e.group_id, e.state, func.count())
         .where(e.markers_partition.in_(owned))
-        .group_by(e.markers_partition, e.origin_topic, e.state)
+        .group_by(e.markers_partition, e.origin_topic, e.group_id, e.state)
     )
     await conn.execute(
         counts.insert().from_select(
-            ["markers_partition", "origin_topic", "state", "entries"], counted
+            ["markers_partition", "origin_topic", "group_id", "state", "entries"], counted
         )
     )
     if ranges is None or engine is None:
         return
     r = ranges.c
     summed = await conn.execute(
-        select(r.markers_partition, r.origin_topic, func.sum(r.open_count))
+        select(r.markers_partition, r.origin_topic, r.group_id, func.sum(r.open_count))
         .where(r.markers_partition.in_(owned))
-        .group_by(r.markers_partition, r.origin_topic)
+        .group_by(r.markers_partition, r.origin_topic, r.group_id)
     )
     rows = [
-        {"markers_partition": p, "origin_topic": t, "state": "in_flight", "entries": int(n)}
-        for p, t, n in summed
+        {
+            "markers_partition": p,
+            "origin_topic": t,
+            "group_id": g,
+            "state": "in_flight",
+            "entries": int(n),
+        }
+        for p, t, g, n in summed
         if n
     ]
     if rows:

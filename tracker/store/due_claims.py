@@ -348,6 +348,6 @@ class DueClaims(PartitionOwnership):
                     updated_ms=now_ms,
                 )
             )
-            partition, topic, state = before[key]
-            counts.add((partition, topic, state), -1)
-            counts.add((partition, topic, State.LOST.value), 1)
+            partition, topic, group, state = before[key]
+            counts.add((partition, topic, group, state), -1)
+            counts.add((partition, topic, group, State.LOST.value), 1)

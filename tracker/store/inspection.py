@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
@@ -159,20 +159,53 @@ def _first_range_views(
 
 
 @dataclass(slots=True)
+class GroupCounts:
+    """One consumer group's entries of one origin topic by state, and its dead letters (0008)."""
+
+    group: str
+    in_flight: int = 0
+    delayed: int = 0
+    rejected: int = 0
+    lost: int = 0
+    dead_lettered: int = 0  #: dead letters recorded, redriven or not
+    dead_letters_waiting: int = 0  #: dead letters not redriven
+
+
+@dataclass(slots=True)
 class TopicCounts:
-    """Per origin topic: what the store holds right now (all consumer groups together)."""
+    """Per origin topic: what the store holds right now (all consumer groups together).
+
+    ``groups`` splits the entry and dead-letter counts by consumer group; the ages and the
+    recent dead letters are the topic's.
+    """
 
     topic: str
     in_flight: int = 0
     delayed: int = 0
     rejected: int = 0
     lost: int = 0
+    groups: dict[str, GroupCounts] = field(default_factory=dict)
     oldest_in_flight_first_seen_ms: int | None = None
     next_delayed_due_ms: int | None = None
     dead_lettered: int = 0  #: dead letters recorded, redriven or not
     dead_letters_waiting: int = 0  #: dead letters not redriven
     dead_lettered_recently: int = 0  #: dead-lettered since the ``since_ms`` asked for
 
+    def group(self, name: str) -> GroupCounts:
+        """The counts of group ``name`` (created empty when first asked for)."""
+        found = self.groups.get(name)
+        if found is None:
+            found = self.groups[name] = GroupCounts(name)
+        return found
+
+
+#: The entry states the statistics count, and the attribute of each.
+_COUNTED = {
+    State.IN_FLIGHT.value: "in_flight",
+    State.DELAYED.value: "delayed",
+    State.REJECTED.value: "rejected",
+    State.LOST.value: "lost",
+}
 
 #: Scalar subqueries per statement in :meth:`InspectionQueries.topic_counts` (SQLite's default
 #: limit on a SELECT's columns is 2,000).
@@ -412,32 +445,30 @@ class InspectionQueries(AdminQueries):
         recent dead letters.
         """
         c = tracked_counts.c
-        entries = select(c.origin_topic, c.state, func.sum(c.entries)).group_by(
-            c.origin_topic, c.state
+        entries = select(c.origin_topic, c.group_id, c.state, func.sum(c.entries)).group_by(
+            c.origin_topic, c.group_id, c.state
         )
         dc = dead_letter_counts.c
-        dead = select(dc.origin_topic, dc.total, dc.waiting)
+        dead = select(dc.origin_topic, dc.group_id, dc.total, dc.waiting)
         if topic is not None:
             entries = entries.where(c.origin_topic == topic)
             dead = dead.where(dc.origin_topic == topic)
         out: dict[str, TopicCounts] = {}
         async with self._transaction(read_only=True) as conn:
-            for name, state, count in await conn.execute(entries):
-                if not count:
+            for name, group, state, count in await conn.execute(entries):
+                attribute = _COUNTED.get(state)
+                if not count or attribute is None:
                     continue
                 counts = out.setdefault(name, TopicCounts(name))
-                if state == State.IN_FLIGHT.value:
-                    counts.in_flight = int(count)
-                elif state == State.DELAYED.value:
-                    counts.delayed = int(count)
-                elif state == State.REJECTED.value:
-                    counts.rejected = int(count)
-                elif state == State.LOST.value:
-                    counts.lost = int(count)
-            for name, total, waiting in await conn.execute(dead):
+                setattr(counts.group(group), attribute, int(count))
+                setattr(counts, attribute, getattr(counts, attribute) + int(count))
+            for name, group, total, waiting in await conn.execute(dead):
                 if total:
                     counts = out.setdefault(name, TopicCounts(name))
-                    counts.dead_lettered, counts.dead_letters_waiting = int(total), int(waiting)
+                    by_group = counts.group(group)
+                    by_group.dead_lettered, by_group.dead_letters_waiting = int(total), int(waiting)
+                    counts.dead_lettered += int(total)
+                    counts.dead_letters_waiting += int(waiting)
             probes = [probe for counts in out.values() for probe in _probes(counts, since_ms)]
             for chunk in chunks(probes, _PROBES_PER_QUERY):
                 queries = (query.scalar_subquery() for _, _, query in chunk)

@@ -141,11 +141,11 @@ class MarkerApply(PartitionOwnership):
                 for before in changes.entries_deleted:
                     deletes.append(before.key)
                     counts.change(before, None)
-                topic = lane[1]
+                group, topic = lane[0], lane[1]
                 for old in changes.ranges_before:
-                    counts.add((old.markers_partition, topic, IN_FLIGHT), -old.open_count)
+                    counts.add((old.markers_partition, topic, group, IN_FLIGHT), -old.open_count)
                 for new in changes.ranges_after:
-                    counts.add((new.markers_partition, topic, IN_FLIGHT), new.open_count)
+                    counts.add((new.markers_partition, topic, group, IN_FLIGHT), new.open_count)
                 range_upserts += [t.row() for t in changes.ranges_written]
                 range_deletes += changes.ranges_deleted
                 due = changes.earliest_due_ms

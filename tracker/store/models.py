@@ -146,7 +146,7 @@ class TrackedRangeRow(Base):
 
 
 class TrackedCount(Base):
-    """How many tracked entries there are per markers partition, origin topic and state.
+    """How many tracked entries there are per markers partition, origin topic, group and state.
 
     Kept by the ``Store`` in every transaction that writes entries, and recounted for a
     partition when a replica takes it over (``tracker/store/counts.py``): the topic
@@ -159,16 +159,19 @@ class TrackedCount(Base):
 
     markers_partition: Mapped[int] = mapped_column(Integer, primary_key=True)
     origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)  # 0008
     state: Mapped[str] = mapped_column(String(16), primary_key=True)
     entries: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
 
 class DeadLetterCount(Base):
-    """Dead letters per origin topic, and how many are not redriven yet (triggers, 0003)."""
+    """Dead letters per origin topic and group, and how many are not redriven yet (triggers,
+    0003; the group since 0008)."""
 
     __tablename__ = "dead_letter_counts"
 
     origin_topic: Mapped[str] = mapped_column(String(249), primary_key=True)
+    group_id: Mapped[str] = mapped_column(String(255), primary_key=True)  # 0008
     total: Mapped[int] = mapped_column(BigInteger, nullable=False)
     waiting: Mapped[int] = mapped_column(BigInteger, nullable=False)
 

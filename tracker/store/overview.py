@@ -111,7 +111,9 @@ class OverviewQueries:
         # Floor division in both dialects (SQLAlchemy renders ``//`` for each).
         minute = ((d.dead_lettered_ms - start) // 60_000).label("minute")
         buckets = [0] * minutes
-        topics = (await conn.execute(select(dead_letter_counts.c.origin_topic))).scalars()
+        topics = (
+            await conn.execute(select(dead_letter_counts.c.origin_topic).distinct())
+        ).scalars()
         for topic in list(topics):
             # One range of ix_dead_letters_topic_time (origin_topic, dead_lettered_ms).
             counted = (
@@ -137,7 +139,7 @@ class OverviewQueries:
     async def dead_letter_topics(self) -> list[str]:
         """The origin topics that have dead letters, by name: a few counter rows (0003)."""
         dc = dead_letter_counts.c
-        query = select(dc.origin_topic).where(dc.total > 0).order_by(dc.origin_topic)
+        query = select(dc.origin_topic).where(dc.total > 0).distinct().order_by(dc.origin_topic)
         async with self.store.transaction(read_only=True) as conn:
             return [name for (name,) in await conn.execute(query)]
 

@@ -103,7 +103,12 @@ ENTRY_UPDATE_COLUMNS = ENTRY_COLUMN_NAMES[4:]
 #: The columns an upsert of a tracked range's row overwrites (all but its key).
 RANGE_UPDATE_COLUMNS = RANGE_COLUMN_NAMES[4:]
 #: What an entry is counted by (``tracker.store.counts``).
-COUNT_COLUMNS = (tracked.c.markers_partition, tracked.c.origin_topic, tracked.c.state)
+COUNT_COLUMNS = (
+    tracked.c.markers_partition,
+    tracked.c.origin_topic,
+    tracked.c.group_id,
+    tracked.c.state,
+)
 #: The key of a row of :data:`ENTRY_COLUMN_NAMES` or ``RANGE_COLUMN_NAMES``: rows are written
 #: in key order, so that two transactions lock the same rows in the same order (PostgreSQL).
 ROW_KEY = operator.itemgetter(0, 1, 2, 3)
