@@ -41,6 +41,22 @@ pytestmark = [pytest.mark.integration]
 
 TABLES = {"tracked_messages", "markers_partitions", "dead_letters"}
 
+#: A dead-letter row as every revision since 0002 stores it, but for its group and offset.
+DEAD_LETTER = {
+    "origin_topic": "orders",
+    "origin_partition": 0,
+    "source_topic": "orders",
+    "source_partition": 0,
+    "source_offset": 0,
+    "dlq_topic": "orders.dlq",
+    "dlq_partition": 0,
+    "dlq_offset": 0,
+    "reason": "r",
+    "attempts": 3,
+    "first_seen_ms": 1,
+    "dead_lettered_ms": 2,
+}
+
 
 @pytest.fixture(params=["sqlite", "postgres"], ids=["sqlite", "postgres"])
 def fresh_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
@@ -206,25 +222,8 @@ async def test_upgrade_to_0003_counts_the_rows_already_there(engine: AsyncEngine
             ]
         )
     ]
-    letter = {
-        "group_id": "g",
-        "origin_partition": 0,
-        "origin_offset": 0,
-        "source_topic": "orders",
-        "source_partition": 0,
-        "source_offset": 0,
-        "dlq_topic": "orders.dlq",
-        "dlq_partition": 0,
-        "dlq_offset": 0,
-        "reason": "r",
-        "attempts": 3,
-        "first_seen_ms": 1,
-        "dead_lettered_ms": 2,
-    }
-    letters = [
-        {**letter, "origin_topic": "orders", "redriven_ms": None},
-        {**letter, "origin_topic": "orders", "redriven_ms": 5},
-    ]
+    letter = {**DEAD_LETTER, "group_id": "g", "origin_offset": 0}
+    letters = [{**letter, "redriven_ms": None}, {**letter, "redriven_ms": 5}]
     async with engine.begin() as conn:
         await conn.execute(tracked.insert(), entries)
         await conn.execute(dead_letters.insert(), letters)
@@ -292,22 +291,8 @@ async def test_upgrade_to_0008_counts_each_group_and_downgrade_adds_them_up(
         "first_seen_ms": 1,
         "updated_ms": 1,
     }
-    letter = {
-        "origin_topic": "orders",
-        "origin_partition": 0,
-        "source_topic": "orders",
-        "source_partition": 0,
-        "source_offset": 0,
-        "dlq_topic": "orders.dlq",
-        "dlq_partition": 0,
-        "dlq_offset": 0,
-        "reason": "r",
-        "attempts": 3,
-        "first_seen_ms": 1,
-        "dead_lettered_ms": 2,
-    }
     letters = [
-        {**letter, "group_id": group, "origin_offset": 20 + i, "redriven_ms": redriven}
+        {**DEAD_LETTER, "group_id": group, "origin_offset": 20 + i, "redriven_ms": redriven}
         for i, (group, redriven) in enumerate([("billing", None), ("audit", None), ("audit", 5)])
     ]
     async with engine.begin() as conn:
