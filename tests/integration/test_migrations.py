@@ -41,6 +41,18 @@ pytestmark = [pytest.mark.integration]
 
 TABLES = {"tracked_messages", "markers_partitions", "dead_letters"}
 
+#: An entry row as every revision since 0002 stores it, but for its key, state and partition.
+ENTRY = {
+    "origin_partition": 0,
+    "attempt": 1,
+    "copy_topic": "orders",
+    "copy_partition": 0,
+    "copy_offset": 0,
+    "due_at_ms": 1,
+    "first_seen_ms": 1,
+    "updated_ms": 1,
+}
+
 #: A dead-letter row as every revision since 0002 stores it, but for its group and offset.
 DEAD_LETTER = {
     "origin_topic": "orders",
@@ -200,19 +212,15 @@ async def test_upgrade_to_0003_counts_the_rows_already_there(engine: AsyncEngine
     """A store upgraded with entries and dead letters in it starts with correct counters,
     and the dead letters' triggers keep theirs from then on."""
     await upgrade(engine, "0002")
-    row = {
-        "group_id": "g",
-        "origin_partition": 0,
-        "attempt": 1,
-        "copy_topic": "orders",
-        "copy_partition": 0,
-        "copy_offset": 0,
-        "due_at_ms": 1,
-        "first_seen_ms": 1,
-        "updated_ms": 1,
-    }
     entries = [
-        {**row, "origin_topic": topic, "origin_offset": i, "markers_partition": p, "state": s}
+        {
+            **ENTRY,
+            "group_id": "g",
+            "origin_topic": topic,
+            "origin_offset": i,
+            "markers_partition": p,
+            "state": s,
+        }
         for i, (topic, p, s) in enumerate(
             [
                 ("orders", 0, "in_flight"),
@@ -260,20 +268,15 @@ async def test_upgrade_to_0008_counts_each_group_and_downgrade_adds_them_up(
     starts with per-group counters that match its rows, and its triggers keep the dead
     letters' per group; a downgrade gives back the per-topic counters and triggers."""
     await upgrade(engine, "0007")
-    row = {
-        "origin_topic": "orders",
-        "origin_partition": 0,
-        "attempt": 1,
-        "copy_topic": "orders",
-        "copy_partition": 0,
-        "copy_offset": 0,
-        "due_at_ms": 1,
-        "first_seen_ms": 1,
-        "updated_ms": 1,
-        "markers_partition": 0,
-    }
     entries = [
-        {**row, "group_id": group, "origin_offset": i, "state": state}
+        {
+            **ENTRY,
+            "group_id": group,
+            "origin_topic": "orders",
+            "origin_offset": i,
+            "markers_partition": 0,
+            "state": state,
+        }
         for i, (group, state) in enumerate(
             [("billing", "in_flight"), ("billing", "delayed"), ("audit", "delayed")]
         )
