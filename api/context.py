@@ -38,6 +38,7 @@ from tracker.store.inspection import InspectionQueries
 from tracker.store.operator_actions import OperatorActions
 from tracker.store.redrive_jobs import RedriveJobStore
 
+from .marker_tail import MarkerTail
 from .models import Check, Readiness
 from .rates import CounterRates
 
@@ -201,11 +202,22 @@ class KafkaReads:
     """
 
     def __init__(
-        self, bootstrap_servers: str, client_config: dict[str, Any], timeout: float
+        self,
+        bootstrap_servers: str,
+        client_config: dict[str, Any],
+        timeout: float,
+        *,
+        markers_topic: str,
+        history_window: int,
     ) -> None:
         self.timeout = timeout
         self.originals = OriginalsReader(bootstrap_servers, client_config=client_config)
         self.scanner = PartitionScanner(bootstrap_servers, client_config=client_config)
+        #: The markers partitions' last records, searched for a message's marker history
+        #: (None when ``history_window`` is 0: the views show no history).
+        self.marker_tail = (
+            MarkerTail(self.scanner, markers_topic, history_window) if history_window > 0 else None
+        )
         #: payload previews (through ``originals``) and marker histories (through ``scanner``)
         self.payloads = BoundedReads("payload preview", timeout)
         self.history = BoundedReads("marker history", timeout)
@@ -370,6 +382,8 @@ def kafka_reads(settings: TrackerSettings) -> KafkaReads:
         settings.kafka_bootstrap_servers,
         kafka_client_options(settings),
         settings.api_kafka_read_timeout.total_seconds(),
+        markers_topic=settings.markers_topic,
+        history_window=settings.api_marker_history_scan,
     )
 
 

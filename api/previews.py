@@ -3,7 +3,8 @@
 A preview shows bytes as text when they are UTF-8 text (no control characters other than tab
 and line breaks), else as base64, capped at a size so that a large record cannot blow up a
 response. Marker history is read from the message's markers partition: only its last records
-(``api_marker_history_scan``), since the markers topic is the history and SQL keeps none.
+(``api_marker_history_scan``, kept between views by :class:`~api.marker_tail.MarkerTail`),
+since the markers topic is the history and SQL keeps none.
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ from __future__ import annotations
 import base64
 from datetime import UTC, datetime
 
-from aiokafka import TopicPartition
-
 from tracker.clock import from_millis
 from tracker.domain.entries import EntryKey
 from tracker.errors import MarkerError
 from tracker.kafka.originals import OriginalRecord
-from tracker.kafka.scan import PartitionScanner
 from tracker.partitioning import marker_key
 from tracker.protocol import Marker, RangeMarker, decode_marker
 from tracker.protocol_v2 import RangeKind
 
+from .marker_tail import MarkerTail
 from .models import (
     BytesPreview,
     HeaderPreview,
@@ -128,28 +127,16 @@ def _event(marker: Marker, offset: int, timestamp: int | None) -> MarkerEvent:
     )
 
 
-async def marker_history(
-    scanner: PartitionScanner,
-    markers_topic: str,
-    markers_partition: int,
-    key: EntryKey,
-    window: int,
-) -> MarkerHistory:
-    """The markers about ``key`` among the last ``window`` records of its markers partition."""
+async def marker_history(tail: MarkerTail, markers_partition: int, key: EntryKey) -> MarkerHistory:
+    """The markers about ``key`` among the last records of its markers partition."""
     group, topic, partition, offset = key
-    tp = TopicPartition(markers_topic, markers_partition)
-    begin, end = (await scanner.bounds([tp]))[tp]
-    start = max(begin, end - window)
-    wanted_key = marker_key(topic, partition)
+    window = await tail.search(markers_partition, marker_key(topic, partition))
     events: list[MarkerEvent] = []
-
-    def collect(record: object) -> None:
-        if getattr(record, "key", None) != wanted_key:
-            return
+    for record_offset, timestamp, _, value in window.records:
         try:
-            marker = decode_marker(getattr(record, "value", None))
+            marker = decode_marker(value)
         except MarkerError:
-            return
+            continue
         if isinstance(marker, RangeMarker):
             shift = offset - marker.first_offset
             if (
@@ -157,30 +144,18 @@ async def marker_history(
                 and 0 <= shift < marker.width
                 and (marker.covered >> shift) & 1
             ):
-                events.append(
-                    _range_event(
-                        marker,
-                        offset,
-                        getattr(record, "offset", -1),
-                        getattr(record, "timestamp", None),
-                    )
-                )
-            return
-        if (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset) == (
-            group,
-            topic,
-            partition,
-            offset,
-        ):
-            events.append(
-                _event(marker, getattr(record, "offset", -1), getattr(record, "timestamp", None))
-            )
-
-    await scanner.scan({tp: (start, end)}, collect)
+                events.append(_range_event(marker, offset, record_offset, timestamp))
+        elif (
+            marker.group,
+            marker.origin_topic,
+            marker.origin_partition,
+            marker.origin_offset,
+        ) == (group, topic, partition, offset):
+            events.append(_event(marker, record_offset, timestamp))
     return MarkerHistory(
         markers_partition=markers_partition,
         events=events,
-        scanned_from=start,
-        scanned_to=end,
-        complete=start <= begin,
+        scanned_from=window.first,
+        scanned_to=window.end,
+        complete=window.complete,
     )

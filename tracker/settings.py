@@ -202,7 +202,9 @@ class TrackerSettings(BaseSettings):
         le=1_000_000,
         description=(
             "How many records back from the end of a markers partition the message view "
-            "searches for that message's markers (0: no marker history)."
+            "searches for that message's markers (0: no marker history). The API keeps this "
+            "many records of each of the 16 most recently viewed markers partitions in memory "
+            "between views."
         ),
     )
     api_kafka_read_timeout: Duration = Field(

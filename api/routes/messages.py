@@ -216,6 +216,9 @@ async def _history(
     """The message's marker history, read within ``deadline``; else why not."""
     settings = context.settings
     scanner = context.reads.scanner
+    tail = context.reads.marker_tail
+    if tail is None:
+        return None, None
     # Known from the entry, or computed (from the partition count) like a writer does.
     known = view.entry.markers_partition if view is not None else None
 
@@ -227,9 +230,7 @@ async def _history(
             if not total:
                 raise OriginalsUnavailable(f"the markers topic {topic!r} does not exist")
             partition = markers_partition(key[1], key[2], total)
-        return await marker_history(
-            scanner, settings.markers_topic, partition, key, settings.api_marker_history_scan
-        )
+        return await marker_history(tail, partition, key)
 
     try:
         return await context.reads.history.run(key, read, deadline), None

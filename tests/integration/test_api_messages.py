@@ -282,6 +282,14 @@ async def test_message_detail_with_payload_previews_and_marker_history(
     ]
     assert history["events"][0]["consumer"] == "worker-7"
     assert history["complete"] is True
+    # The next view reads only the markers written since this one (the tail is kept), and
+    # answers the whole window: the new marker and the earlier ones.
+    await sink.send_all([Marker.ack("billing", first)])
+    response = await client.get(f"/v1/messages/billing/{topic}/0/{positions[0][1]}")
+    again = response.json()["markers"]
+    assert [e["kind"] for e in again["events"]] == ["start", "extend", "ack"]
+    assert again["scanned_from"] == history["scanned_from"]
+    assert again["scanned_to"] == history["scanned_to"] + 1
 
     # Binary: base64, capped by the setting (1024 bytes here), size is the full size.
     response = await client.get(

@@ -1,0 +1,123 @@
+"""The last records of the markers partitions, kept between message views.
+
+The message view searches the last ``api_marker_history_scan`` records of a message's markers
+partition for that message's markers (the markers topic is the history; SQL keeps none). Read
+afresh for every view, that is the whole window (5,000 records by default) fetched and decoded
+into aiokafka's per-record objects each time: the CPU of the view under load, spent again on
+the same records for every message of the partition and every refresh of a page.
+
+A :class:`MarkerTail` keeps each viewed partition's window as compact tuples and, on the next
+view, reads only the records written since the previous one. A room of operators refreshing
+message pages costs the broker the markers written in the meantime, not a window per view.
+What a view answers is unchanged: the window ends at the partition's end as a fetch reports it
+at the time of the view (so a marker an operator's action just wrote is in it).
+
+Memory is bounded: at most ``window`` records for each of ``partitions`` partitions, the least
+recently viewed dropped first. A partition whose end went backwards (the topic was deleted and
+created again) or that moved on by more than a window since its last view is read afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from tracker.kafka.scan import PartitionScanner
+
+#: Partitions kept at most: ~1 MB each at the default window of 5,000 markers.
+DEFAULT_PARTITIONS = 16
+
+#: ``(offset, timestamp, key, value)`` of one record of a markers partition.
+TailRecord = tuple[int, int | None, bytes | None, bytes | None]
+
+
+@dataclass(frozen=True)
+class TailMatches:
+    """The records of a window that have the asked key, and the window itself."""
+
+    records: list[TailRecord]
+    #: The window: offsets ``first <= offset < end`` were searched.
+    first: int
+    end: int
+    #: The window starts at the partition's log start: no older record exists.
+    complete: bool
+
+
+class _PartitionTail:
+    __slots__ = ("end", "lock", "records")
+
+    def __init__(self) -> None:
+        self.records: deque[TailRecord] = deque()
+        #: The offset after the last record read (-1: nothing read yet).
+        self.end = -1
+        #: One read of a partition at a time: two views of it read the new records once.
+        self.lock = asyncio.Lock()
+
+
+class MarkerTail:
+    """The last ``window`` records of each viewed partition of ``topic``, read incrementally."""
+
+    def __init__(
+        self,
+        scanner: PartitionScanner,
+        topic: str,
+        window: int,
+        *,
+        partitions: int = DEFAULT_PARTITIONS,
+    ) -> None:
+        if window <= 0 or partitions <= 0:
+            raise ValueError(f"window and partitions must be positive, not {window}, {partitions}")
+        self.topic = topic
+        self.window = window
+        self._scanner = scanner
+        self._limit = partitions
+        self._tails: OrderedDict[int, _PartitionTail] = OrderedDict()
+
+    @property
+    def cached_partitions(self) -> int:
+        return len(self._tails)
+
+    def _tail(self, partition: int) -> _PartitionTail:
+        tail = self._tails.get(partition)
+        if tail is None:
+            tail = self._tails[partition] = _PartitionTail()
+            while len(self._tails) > self._limit:
+                # A view still reading an evicted tail finishes with it; it is just not kept.
+                self._tails.popitem(last=False)
+        else:
+            self._tails.move_to_end(partition)
+        return tail
+
+    async def search(self, partition: int, key: bytes) -> TailMatches:
+        """The records with ``key`` among the last ``window`` of ``partition``, up to its end.
+
+        Raises :class:`~tracker.kafka.originals.OriginalsUnavailable` when Kafka does not
+        answer; what was kept stays as it was.
+        """
+        tail = self._tail(partition)
+        async with tail.lock:
+            tp = TopicPartition(self.topic, partition)
+            begin, end = (await self._scanner.bounds([tp]))[tp]
+            first = max(begin, end - self.window)
+            start = tail.end
+            if not first <= start <= end:
+                # Nothing kept, a gap since the last view, or a partition that restarted.
+                tail.records.clear()
+                start = first
+            read: list[TailRecord] = []
+
+            def keep(record: Any) -> None:
+                read.append((record.offset, record.timestamp, record.key, record.value))
+
+            await self._scanner.scan({tp: (start, end)}, keep)
+            records = tail.records
+            records.extend(read)
+            tail.end = end
+            while records and records[0][0] < first:
+                records.popleft()
+            found = [record for record in records if record[2] == key]
+        return TailMatches(found, first, end, complete=first <= begin)
