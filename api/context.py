@@ -34,6 +34,7 @@ from tracker.metrics import Metrics
 from tracker.ports import EngineHandle, OriginalsSource, RedriveService
 from tracker.settings import TrackerSettings
 from tracker.store import Store, StoreUnavailable
+from tracker.store.console_logouts import ConsoleLogouts
 from tracker.store.inspection import InspectionQueries
 from tracker.store.operator_actions import OperatorActions
 from tracker.store.redrive_jobs import RedriveJobStore
@@ -275,6 +276,8 @@ class ApiContext:
     queries: InspectionQueries = field(init=False)
     actions: OperatorActions = field(init=False)
     jobs: RedriveJobStore = field(init=False)
+    #: Console sessions logged out before their expiry.
+    logouts: ConsoleLogouts = field(init=False)
     _closers: list[Closer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -283,6 +286,7 @@ class ApiContext:
         self.queries = InspectionQueries(self.store, topic)
         self.actions = OperatorActions(self.store, topic)
         self.jobs = RedriveJobStore(self.store, topic)
+        self.logouts = ConsoleLogouts(self.store, topic)
 
     def close_with(self, closer: Closer) -> None:
         """Have :meth:`close` call ``closer`` (last added, first called)."""

@@ -87,8 +87,13 @@ async def login(
 
 
 @router.post("/logout")
-async def logout(request: Request, session: Session, csrf: Csrf = None) -> Response:
-    del request, session, csrf  # logging out needs no proof: it only drops the cookie
+async def logout(context: Context, session: Session, csrf: Csrf = None) -> Response:
+    # No CSRF proof needed: a forged post could only end the victim's own session.
+    del csrf
+    if session.nonce:  # (no token configured: there is no session to end)
+        # Recorded first: if the database is away, the error page says so, the cookie stays,
+        # and the operator can try again rather than believe a copy of it is dead.
+        await context.logouts.record(session.nonce, session.expires_s, int(time.time()))
     response = _see("/console/login")
     response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
     return response

@@ -51,12 +51,21 @@ def open_reads(context: ApiContext) -> bool:
     return settings.api_token is None and settings.api_read_token is None
 
 
-def current_session(request: Request) -> ConsoleSession:
+def signed_session(request: Request) -> ConsoleSession:
+    """The session the request's cookie stands for, by its signature and expiry alone."""
     context = get_context(request)  # its 503 while starting is shown as the error page
     if open_reads(context):
         return ConsoleSession(Role.ANONYMOUS, 0, "")
     session = read_session(context.settings, request.cookies.get(COOKIE), int(time.time()))
     if session is None:
+        raise LoginRequired
+    return session
+
+
+async def current_session(request: Request) -> ConsoleSession:
+    """The request's session, unless it was logged out (on any replica)."""
+    session = signed_session(request)
+    if session.nonce and await get_context(request).logouts.ended(session.nonce):
         raise LoginRequired
     return session
 
@@ -107,8 +116,10 @@ def _login_redirect(request: Request) -> Response:
 
 
 def _error_page(request: Request, status: int, detail: str) -> Response:
+    # The signature alone: the error may be the database's, which a logout check needs. The
+    # page shows no data, only the error and the menu the session's role would see.
     try:
-        session: ConsoleSession | None = current_session(request)
+        session: ConsoleSession | None = signed_session(request)
     except (LoginRequired, ApiError):
         session = None
     return render(request, "error.html", session, status_code=status, status=status, detail=detail)

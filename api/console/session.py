@@ -7,7 +7,10 @@ until when, signed with HMAC-SHA256 under a key derived from *that role's token*
 * no token is ever stored in the browser, put in a URL or written to a log;
 * every replica that has the same tokens accepts the cookie (nothing is kept server-side, so
   API-only replicas behind a load balancer need no shared session store);
-* rotating a token ends every session opened with it, at once, on every replica.
+* rotating a token ends every session opened with it, at once, on every replica;
+* logging out ends that session on every replica, also for a copy of the cookie kept elsewhere:
+  the one thing kept server-side is the list of sessions logged out before their expiry
+  (``tracker/store/console_logouts.py``), checked on every request.
 
 Each session carries a random nonce; the CSRF token of its forms is an HMAC of that nonce
 under the same key. A form post must carry it (and a cross-site post cannot, as the page that
@@ -40,6 +43,8 @@ class ConsoleSession:
     role: Role
     expires_s: int
     csrf: str
+    #: The session's random id: what a logout records (``tracker/store/console_logouts.py``).
+    nonce: str = ""
 
     @property
     def can_act(self) -> bool:
@@ -81,14 +86,16 @@ def open_session(settings: TrackerSettings, role: Role, now_s: int) -> tuple[str
     expires = now_s + int(settings.console_session.total_seconds())
     nonce = secrets.token_urlsafe(16)
     payload = f"{_VERSION}.{role.value}.{expires}.{nonce}"
-    return f"{payload}.{_sign(key, payload)}", ConsoleSession(role, expires, _csrf(key, nonce))
+    session = ConsoleSession(role, expires, _csrf(key, nonce), nonce)
+    return f"{payload}.{_sign(key, payload)}", session
 
 
 def read_session(
     settings: TrackerSettings, cookie: str | None, now_s: int
 ) -> ConsoleSession | None:
     """The session ``cookie`` stands for, or None if it is missing, forged, expired, or was
-    opened with a token that is no longer configured."""
+    opened with a token that is no longer configured. (Whether it was logged out is the
+    store's to say: :func:`api.console.guard.current_session`.)"""
     if not cookie or len(cookie) > 512 or not cookie.isascii():
         return None
     parts = cookie.split(".")
@@ -109,7 +116,7 @@ def read_session(
         return None
     if expires <= now_s:
         return None
-    return ConsoleSession(role, expires, _csrf(key, nonce))
+    return ConsoleSession(role, expires, _csrf(key, nonce), nonce)
 
 
 def csrf_matches(session: ConsoleSession, given: str | None) -> bool:

@@ -26,6 +26,7 @@ from tracker.settings import TrackerSettings
 from tracker.store.admin_reads import actions_table, items_table, jobs_table
 from tracker.store.counts import CountChanges
 from tracker.store.tables import (
+    console_logouts,
     dead_letters,
     partitions_table,
     ranges_table,
@@ -64,6 +65,7 @@ async def reset_tables(context: ApiContext) -> None:
             tracked_counts,
             partitions_table,
             dead_letters,
+            console_logouts,
         ):
             await conn.execute(delete(table))
 

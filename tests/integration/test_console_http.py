@@ -17,15 +17,18 @@ import httpx
 import markupsafe
 import pytest
 
+from api.app import create_app
 from api.console.security_headers import CONTENT_SECURITY_POLICY
 from api.console.session import COOKIE
 from tracker.domain.entries import State
+from tracker.runtime import standalone_api_context
 
 from .api_support import (
     ADMIN_TOKEN,
     READ_TOKEN,
     ApiEnv,
     api_env,
+    client_for,
     entry,
     insert_dead_letters,
     insert_entries,
@@ -315,6 +318,38 @@ async def test_a_rotated_token_ends_its_sessions(
         other.headers.pop("Authorization", None)
         other.cookies.set(COOKIE, cookie, domain="kmq.test", path="/console")
         assert (await other.get("/console/")).status_code == 303
+
+
+async def test_a_logged_out_session_is_refused_by_every_replica(env: ApiEnv) -> None:
+    client = await browser(env, ADMIN_TOKEN)
+    ended = client.cookies[COOKIE]
+    other = await browser(env, ADMIN_TOKEN)  # another session of the same token
+    page = await client.get("/console/")
+    assert page.status_code == 200
+    response = await client.post("/console/logout", data={"csrf": csrf_of(page.text)})
+    assert response.status_code == 303
+    assert response.headers["location"] == "/console/login"
+    assert COOKIE not in client.cookies
+
+    # A copy of the cookie (kept by an attacker, or by another tab) is refused from now on,
+    # though it is signed and not expired; the other session goes on.
+    replay = await browser(env, None)
+    replay.cookies.set(COOKIE, ended, domain="kmq.test", path="/console")
+    assert (await replay.get("/console/")).status_code == 303
+    assert (await replay.post("/console/logout")).status_code == 303  # nothing to end twice
+    assert (await other.get("/console/")).status_code == 200
+
+    # Another replica on the same database (or this one restarted) refuses it too.
+    context = await standalone_api_context(env.settings, run_redrive=False)
+    try:
+        transport = httpx.ASGITransport(app=create_app(context))
+        async with client_for(transport) as replica:
+            replica.cookies.set(COOKIE, ended, domain="kmq.test", path="/console")
+            assert (await replica.get("/console/")).status_code == 303
+            replica.cookies.set(COOKIE, other.cookies[COOKIE], domain="kmq.test", path="/console")
+            assert (await replica.get("/console/")).status_code == 200
+    finally:
+        await context.close()
 
 
 async def test_without_tokens_the_console_reads_and_cannot_act(

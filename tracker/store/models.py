@@ -339,3 +339,17 @@ class RedriveItem(Base):
     updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
     __table_args__ = (Index("ix_redrive_items_state", "job_id", "state", "dead_letter_id"),)
+
+
+class ConsoleLogout(Base):
+    """A console session its operator logged out of: refused until it would have expired
+    (see ``tracker/store/console_logouts.py``)."""
+
+    __tablename__ = "console_logouts"
+
+    #: the session's random nonce (in its signed cookie)
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: when the session would have expired (Unix seconds): the row may go then
+    expires_s: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+    __table_args__ = (Index("ix_console_logouts_expires", "expires_s"),)

@@ -22,6 +22,7 @@ from tracker.protocol_limits import MAX_OFFSET
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .models import (
+    ConsoleLogout,
     DeadLetter,
     DeadLetterCount,
     MarkersPartition,
@@ -38,6 +39,7 @@ partitions_table: Table = MarkersPartition.__table__  # type: ignore[assignment]
 dead_letters: Table = DeadLetter.__table__  # type: ignore[assignment]
 tracked_counts: Table = TrackedCount.__table__  # type: ignore[assignment]
 dead_letter_counts: Table = DeadLetterCount.__table__  # type: ignore[assignment]
+console_logouts: Table = ConsoleLogout.__table__  # type: ignore[assignment]
 
 #: The columns of a tracked range's key, in key order.
 RANGE_KEY_COLUMNS = (
