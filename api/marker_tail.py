@@ -8,7 +8,8 @@ the same records for every message of the partition and every refresh of a page.
 
 A :class:`MarkerTail` keeps each viewed partition's window as compact tuples and, on the next
 view, reads only the records written since the previous one. A room of operators refreshing
-message pages costs the broker the markers written in the meantime, not a window per view.
+message pages costs the broker the markers written in the meantime, not a window per view; a
+partition viewed a moment ago is read on in a single fetch, its end taken from the response.
 What a view answers is unchanged: the window ends at the partition's end as a fetch reports it
 at the time of the view (so a marker an operator's action just wrote is in it).
 
@@ -31,6 +32,11 @@ from tracker.kafka.scan import PartitionScanner
 #: Partitions kept at most: ~1 MB each at the default window of 5,000 markers.
 DEFAULT_PARTITIONS = 16
 
+#: A partition viewed within this many seconds is read on from where the last view ended, in
+#: one fetch; one viewed longer ago is read from its offsets again (its log start, its end),
+#: so a view after a long pause does not read everything written meanwhile.
+FRESH_S = 5.0
+
 #: ``(offset, timestamp, key, value)`` of one record of a markers partition.
 TailRecord = tuple[int, int | None, bytes | None, bytes | None]
 
@@ -48,12 +54,16 @@ class TailMatches:
 
 
 class _PartitionTail:
-    __slots__ = ("end", "lock", "records")
+    __slots__ = ("begin", "end", "lock", "read_at", "records")
 
     def __init__(self) -> None:
         self.records: deque[TailRecord] = deque()
         #: The offset after the last record read (-1: nothing read yet).
         self.end = -1
+        #: The partition's log start when last asked.
+        self.begin = 0
+        #: When the last read ended (loop time).
+        self.read_at = 0.0
         #: One read of a partition at a time: two views of it read the new records once.
         self.lock = asyncio.Lock()
 
@@ -101,23 +111,36 @@ class MarkerTail:
         tail = self._tail(partition)
         async with tail.lock:
             tp = TopicPartition(self.topic, partition)
-            begin, end = (await self._scanner.bounds([tp]))[tp]
-            first = max(begin, end - self.window)
-            start = tail.end
-            if not first <= start <= end:
-                # Nothing kept, a gap since the last view, or a partition that restarted.
-                tail.records.clear()
-                start = first
             read: list[TailRecord] = []
 
             def keep(record: Any) -> None:
                 read.append((record.offset, record.timestamp, record.key, record.value))
 
-            await self._scanner.scan({tp: (start, end)}, keep)
+            loop = asyncio.get_running_loop()
+            end = -1
+            warm = tail.end >= 0 and loop.time() - tail.read_at < FRESH_S
+            if warm:
+                # Viewed a moment ago: one fetch from there to the end, no offset requests.
+                end = await self._scanner.read_to_end(tp, tail.end, keep)
+            if not warm or end < tail.end:
+                # Nothing kept (or not lately), or a partition that restarted.
+                read.clear()
+                begin, end = (await self._scanner.bounds([tp]))[tp]
+                tail.begin = begin
+                start = max(begin, end - self.window)
+                if not start <= tail.end <= end:
+                    tail.records.clear()
+                else:
+                    start = tail.end
+                await self._scanner.scan({tp: (start, end)}, keep)
+            first = max(tail.begin, end - self.window)
             records = tail.records
             records.extend(read)
             tail.end = end
+            tail.read_at = loop.time()
             while records and records[0][0] < first:
                 records.popleft()
             found = [record for record in records if record[2] == key]
-        return TailMatches(found, first, end, complete=first <= begin)
+        # The log start as last asked: retention only moves it up, and the records it removed
+        # since were read before, so the window still reaches back as far as it says.
+        return TailMatches(found, first, end, complete=first <= tail.begin)

@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 from aiokafka import TopicPartition
 
+from api import marker_tail
 from api.marker_tail import MarkerTail
 from tracker.kafka.originals import OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner, RecordSink
@@ -39,6 +40,8 @@ class _FakeScanner:
     scanned: list[tuple[int, int, int]] = field(default_factory=list)
     fail: bool = False
 
+    bounds_calls: int = 0
+
     def write(self, partition: int, *keys: bytes) -> None:
         log = self.logs.setdefault(partition, [])
         for key in keys:
@@ -58,6 +61,7 @@ class _FakeScanner:
     async def bounds(self, tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int]]:
         if self.fail:
             raise OriginalsUnavailable("no broker")
+        self.bounds_calls += 1
         out = {}
         for tp in tps:
             begin = self.begins.get(tp.partition, 0)
@@ -74,6 +78,21 @@ class _FakeScanner:
             for record in self.logs.get(tp.partition, []):
                 if start <= record.offset < end:
                     sink(record)
+
+    async def read_to_end(self, tp: TopicPartition, start: int, sink: RecordSink) -> int:
+        if self.fail:
+            raise OriginalsUnavailable("no broker")
+        begin = self.begins.get(tp.partition, 0)
+        log = self.logs.get(tp.partition, [])
+        end = begin + len(log)
+        if end < start:
+            return end
+        if end > start:
+            self.scanned.append((tp.partition, max(start, begin), end))
+        for record in log:
+            if record.offset >= start:
+                sink(record)
+        return end
 
 
 def _tail(scanner: _FakeScanner, window: int, partitions: int = 4) -> MarkerTail:
@@ -105,9 +124,28 @@ async def test_a_view_after_another_reads_only_the_new_records() -> None:
     again = await tail.search(0, b"a")
     assert _offsets(again) == [0, 2, 4]
     assert scanner.scanned == [(0, 0, 4), (0, 4, 6)]
+    # Only the first view asked for the partition's offsets: the others read on to the end.
+    assert scanner.bounds_calls == 1
 
 
-async def test_the_window_slides_and_says_whether_it_reaches_the_log_start() -> None:
+async def test_a_partition_not_viewed_lately_is_read_from_its_offsets_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(marker_tail, "FRESH_S", 0.0)  # every view comes too late
+    scanner = _FakeScanner()
+    scanner.write(0, b"a", b"b")
+    tail = _tail(scanner, window=10)
+    await tail.search(0, b"a")
+    scanner.write(0, b"a")
+    found = await tail.search(0, b"a")
+    assert _offsets(found) == [0, 2]
+    assert scanner.bounds_calls == 2
+    assert scanner.scanned == [(0, 0, 2), (0, 2, 3)]  # still only what is new
+
+
+async def test_the_window_slides_and_says_whether_it_reaches_the_log_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     scanner = _FakeScanner()
     scanner.write(0, *[b"a"] * 5)
     tail = _tail(scanner, window=4)
@@ -121,19 +159,26 @@ async def test_the_window_slides_and_says_whether_it_reaches_the_log_start() -> 
     assert _offsets(found) == [3, 4, 5, 6]  # the same as a read from scratch
     assert scanner.scanned[-1] == (0, 5, 7)
 
-    # Retention removed records inside the window: the window starts at the log start.
+    # Retention removed records inside the window. Read a moment ago, they are still shown
+    # (they were written); the next time the log start is asked, the window starts there.
     scanner.truncate(0, 5)
+    found = await tail.search(0, b"a")
+    assert _offsets(found) == [3, 4, 5, 6]
+    monkeypatch.setattr(marker_tail, "FRESH_S", 0.0)
     found = await tail.search(0, b"a")
     assert _offsets(found) == [5, 6]
     assert (found.first, found.end, found.complete) == (5, 7, True)
 
 
-async def test_a_view_long_after_the_last_reads_the_window_afresh() -> None:
+async def test_a_view_long_after_the_last_reads_the_window_afresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     scanner = _FakeScanner()
     scanner.write(0, b"a", b"a")
     tail = _tail(scanner, window=3)
     await tail.search(0, b"a")
     scanner.write(0, *[b"a"] * 10)  # more than a window since the last view
+    monkeypatch.setattr(marker_tail, "FRESH_S", 0.0)  # and it was a while ago
 
     found = await tail.search(0, b"a")
     assert _offsets(found) == [9, 10, 11]

@@ -166,6 +166,54 @@ class PartitionScanner:
                 if self._consumer is consumer:
                     consumer.assign([])
 
+    async def read_to_end(self, tp: TopicPartition, start: int, sink: RecordSink) -> int:
+        """Pass every record of ``tp`` from ``start`` to its end to ``sink``; return the end.
+
+        The end is the high watermark of the fetch responses: no separate offset requests, so
+        reading what was written since a known position costs one fetch (the markers tail of
+        the message views). An end below ``start`` means the partition restarted (the topic
+        was created again): nothing is passed then. A ``start`` below the log start reads
+        from the log start (the records before it are gone).
+        """
+        async with self._lock:
+            consumer = await self._started()
+            try:
+                return await self._read_to_end(consumer, tp, start, sink)
+            except (KafkaError, TimeoutError) as exc:
+                raise OriginalsUnavailable(
+                    f"reading {tp.topic}/{tp.partition} failed: {exc!r}"
+                ) from exc
+            finally:
+                if self._consumer is consumer:
+                    consumer.assign([])
+
+    async def _read_to_end(
+        self, consumer: Any, tp: TopicPartition, start: int, sink: RecordSink
+    ) -> int:
+        consumer.assign([tp])  # a fresh assignment: no high watermark known yet
+        # From the record before: a fetch that has a record to return answers at once, where
+        # one at the end would wait fetch_max_wait_ms for new records to arrive.
+        consumer.seek(tp, max(start - 1, 0))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        while True:
+            if loop.time() > deadline:
+                raise OriginalsUnavailable(f"no progress reading {tp.topic}/{tp.partition}")
+            batch = await consumer.getmany(tp, timeout_ms=_POLL_MS, max_records=_MAX_RECORDS)
+            end: int | None = consumer.highwater(tp)
+            if end is None:
+                continue
+            if end < start:
+                return end
+            records = batch.get(tp, ())
+            for record in records:
+                if record.offset >= start:
+                    sink(record)
+            if records:
+                deadline = loop.time() + self._timeout
+            if await consumer.position(tp) >= end:
+                return end
+
     async def _scan(
         self,
         consumer: Any,
