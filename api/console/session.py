@@ -5,8 +5,8 @@ An operator logs in with the admin or the read token. The browser then keeps onl
 until when, signed with HMAC-SHA256 under a key derived from *that role's token*:
 
 * no token is ever stored in the browser, put in a URL or written to a log;
-* every replica that has the same tokens accepts the cookie (nothing is kept server-side, so
-  API-only replicas behind a load balancer need no shared session store);
+* every replica that has the same tokens accepts the cookie (no session is kept server-side,
+  so API-only replicas behind a load balancer need no session store of their own);
 * rotating a token ends every session opened with it, at once, on every replica;
 * logging out ends that session on every replica, also for a copy of the cookie kept elsewhere:
   the one thing kept server-side is the list of sessions logged out before their expiry
