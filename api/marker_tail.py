@@ -14,8 +14,9 @@ What a view answers is unchanged: the window ends at the partition's end as a fe
 at the time of the view (so a marker an operator's action just wrote is in it).
 
 Memory is bounded: at most ``window`` records for each of ``partitions`` partitions, the least
-recently viewed dropped first. A partition whose end went backwards (the topic was deleted and
-created again) or that moved on by more than a window since its last view is read afresh.
+recently viewed dropped first. A partition not viewed within ``FRESH_S`` is read from its
+offsets again (only its last window, however much was written since), as is one whose end went
+backwards (the topic was deleted and created again).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from tracker.store.store_errors import IdempotencyConflict
 from ..context import ApiContext, not_served
 from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
 from ..http_errors import ApiError
+from ..marker_tail import MarkerTail
 from ..message_ids import (
     decode_cursor,
     encode_cursor,
@@ -211,14 +212,11 @@ async def _not_asked() -> tuple[None, None]:
 
 
 async def _history(
-    context: ApiContext, key: EntryKey, view: EntryView | None, deadline: float
+    context: ApiContext, tail: MarkerTail, key: EntryKey, view: EntryView | None, deadline: float
 ) -> tuple[MarkerHistory | None, str | None]:
     """The message's marker history, read within ``deadline``; else why not."""
     settings = context.settings
     scanner = context.reads.scanner
-    tail = context.reads.marker_tail
-    if tail is None:
-        return None, None
     # Known from the entry, or computed (from the partition count) like a writer does.
     known = view.entry.markers_partition if view is not None else None
 
@@ -290,9 +288,10 @@ async def get_message(
     # One deadline for both reads, run side by side: the request waits for Kafka once.
     deadline = context.reads.deadline()
     previewing = _preview(context, view, dead, cap, deadline) if payload else _not_asked()
+    tail = context.reads.marker_tail  # None: api_marker_history_scan is 0
     searching = (
-        _history(context, key, view, deadline)
-        if markers and settings.api_marker_history_scan > 0
+        _history(context, tail, key, view, deadline)
+        if markers and tail is not None
         else _not_asked()
     )
     (preview, preview_error), (history, history_error) = await asyncio.gather(previewing, searching)

@@ -561,3 +561,19 @@ async def test_read_token_reads_but_cannot_act(env: ApiEnv) -> None:
         "errors": None,
     }
     assert (await env.client.get("/v1/messages/billing/orders/0/1")).json()["status"] == "in_flight"
+
+
+async def test_no_marker_history_when_the_search_is_turned_off(
+    kafka_bootstrap: str, topic_factory: TopicFactory, sqlite_url: str
+) -> None:
+    markers = await topic_factory(partitions=1, prefix="markers")
+    async with api_env(kafka_bootstrap, sqlite_url, markers, api_marker_history_scan=0) as env:
+        assert env.context.reads.marker_tail is None
+        await insert_entries(env.context, [entry(5)])
+        response = await env.client.get(
+            "/v1/messages/billing/orders/0/5", params={"payload": "false"}
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["status"] == "in_flight"
+        assert (body["markers"], body["markers_error"]) == (None, None)
