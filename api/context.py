@@ -28,7 +28,8 @@ from tracker.clock import Clock, to_millis
 from tracker.errors import ClientClosed
 from tracker.ids import MessageId
 from tracker.kafka.client_security import kafka_client_options
-from tracker.kafka.originals import Missing, OriginalRecord, OriginalsReader, OriginalsUnavailable
+from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
 from tracker.metrics import Metrics
 from tracker.ports import EngineHandle, OriginalsSource, RedriveService

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracker.errors import MarkerWriteFailed
-from tracker.kafka.originals import OriginalsUnavailable
+from tracker.kafka.original_records import OriginalsUnavailable
 from tracker.kafka.topic_admin import KafkaUnavailable
 from tracker.store import StoreUnavailable
 

@@ -106,7 +106,7 @@ class MarkerTail:
     async def search(self, partition: int, key: bytes) -> TailMatches:
         """The records with ``key`` among the last ``window`` of ``partition``, up to its end.
 
-        Raises :class:`~tracker.kafka.originals.OriginalsUnavailable` when Kafka does not
+        Raises :class:`~tracker.kafka.original_records.OriginalsUnavailable` when Kafka does not
         answer; what was kept stays as it was.
         """
         tail = self._tail(partition)

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from tracker.clock import from_millis
 from tracker.domain.entries import EntryKey
 from tracker.errors import MarkerError
-from tracker.kafka.originals import OriginalRecord
+from tracker.kafka.original_records import OriginalRecord
 from tracker.partitioning import marker_key
 from tracker.protocol import Marker, RangeMarker, decode_marker
 from tracker.protocol_v2 import RangeKind

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord
+from tracker.kafka.original_records import Missing, OriginalRecord
 
 
 class OriginalsSource(Protocol):

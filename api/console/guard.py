@@ -19,7 +19,7 @@ from fastapi.responses import RedirectResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
 
-from tracker.kafka.originals import OriginalsUnavailable
+from tracker.kafka.original_records import OriginalsUnavailable
 from tracker.store import StoreUnavailable
 
 from ..context import ApiContext

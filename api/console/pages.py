@@ -19,7 +19,7 @@ from fastapi import APIRouter, Path, Query, Request, Response
 
 from tracker.clock import from_millis
 from tracker.domain.entries import State
-from tracker.kafka.originals import OriginalsUnavailable
+from tracker.kafka.original_records import OriginalsUnavailable
 from tracker.store import StoreUnavailable
 from tracker.store.admin_reads import DeadLetterFilter
 from tracker.store.inspection import EntryFilter, EntryOrder

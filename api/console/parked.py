@@ -22,7 +22,7 @@ from tracker.headers import (
     INVALID_TIMESTAMP,
 )
 from tracker.ids import MessageId
-from tracker.kafka.originals import OriginalRecord, OriginalsUnavailable
+from tracker.kafka.original_records import OriginalRecord, OriginalsUnavailable
 
 from ..context import ApiContext, not_served
 from .render import hex_dump, printable

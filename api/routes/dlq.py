@@ -9,7 +9,7 @@ from pydantic import AwareDatetime
 
 from tracker.clock import to_millis
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.store.admin_reads import DeadLetterFilter
 
 from ..context import not_served

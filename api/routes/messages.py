@@ -13,7 +13,7 @@ from tracker.domain.actions import ActionKind as StoreAction
 from tracker.domain.actions import ActionOutcome, ActionRequest
 from tracker.domain.entries import EntryKey, State
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.partitioning import markers_partition
 from tracker.store.admin_reads import EntryView
 from tracker.store.inspection import EntryFilter, EntryOrder

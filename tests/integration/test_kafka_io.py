@@ -37,7 +37,7 @@ from tracker.kafka import (
     topic_retention_ms,
     topic_timestamp_type,
 )
-from tracker.kafka.originals import _PartitionRead
+from tracker.kafka.partition_read import PartitionRead
 
 pytestmark = [pytest.mark.integration]
 
@@ -449,9 +449,7 @@ async def test_topic_queries_on_existing_topic(
 
 
 def test_partition_read_advance_records_gaps_and_next_target() -> None:
-    read = _PartitionRead(
-        tp=TopicPartition("t", 0), plan=[3, 4, 10, 20, 31], begin=0, listed_end=25
-    )
+    read = PartitionRead(tp=TopicPartition("t", 0), plan=[3, 4, 10, 20, 31], begin=0, listed_end=25)
     read.wanted = set(read.plan)
     results: dict[MessageId, OriginalRecord | Missing] = {}
     read.wanted.discard(3)  # found
@@ -476,9 +474,9 @@ def test_partition_read_advance_records_gaps_and_next_target() -> None:
 
 
 def test_partition_read_seek_target_on_empty_partition() -> None:
-    read = _PartitionRead(tp=TopicPartition("t", 0), plan=[0, 7], begin=0, listed_end=0)
+    read = PartitionRead(tp=TopicPartition("t", 0), plan=[0, 7], begin=0, listed_end=0)
     assert read.seek_target(7) == 0
-    read = _PartitionRead(tp=TopicPartition("t", 0), plan=[12], begin=12, listed_end=12)
+    read = PartitionRead(tp=TopicPartition("t", 0), plan=[12], begin=12, listed_end=12)
     assert read.seek_target(12) == 12
 
 
@@ -506,7 +504,7 @@ class _FakeConsumer:
 async def test_out_of_range_after_retention_reclassifies_and_resumes() -> None:
     """Kafka moved the log start to 100 mid-read: 40 and 90 are gone, 150 is read from there."""
     tp = TopicPartition("t", 0)
-    read = _PartitionRead(tp=tp, plan=[10, 40, 90, 150], begin=0, listed_end=200)
+    read = PartitionRead(tp=tp, plan=[10, 40, 90, 150], begin=0, listed_end=200)
     read.wanted = {40, 90, 150}
     read.next_index = 1  # 10 was found already
     active = {tp: read}

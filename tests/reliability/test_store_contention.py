@@ -30,7 +30,7 @@ from tracker.domain.entries import EntryKey
 from tracker.domain.policy import BackoffPolicy, ResolvedPolicy, TopicPolicy
 from tracker.engine.redeliver import Redeliverer
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord
+from tracker.kafka.original_records import Missing, OriginalRecord
 from tracker.metrics import Metrics
 from tracker.protocol import Marker
 from tracker.store import Store, StoreUnavailable

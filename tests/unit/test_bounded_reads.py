@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from api.context import BoundedReads, ReadTimedOut
-from tracker.kafka.originals import OriginalsUnavailable
+from tracker.kafka.original_records import OriginalsUnavailable
 
 pytestmark = [pytest.mark.unit]
 

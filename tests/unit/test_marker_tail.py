@@ -17,7 +17,7 @@ from aiokafka import TopicPartition
 
 from api import marker_tail
 from api.marker_tail import MarkerTail
-from tracker.kafka.originals import OriginalsUnavailable
+from tracker.kafka.original_records import OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner, RecordSink
 
 TOPIC = "markers"

@@ -20,7 +20,7 @@ from tracker.domain.entries import State
 from tracker.domain.policy import ResolvedPolicy, TopicPolicy
 from tracker.engine.redeliver import Redeliverer
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord
+from tracker.kafka.original_records import Missing, OriginalRecord
 from tracker.metrics import Metrics
 from tracker.protocol import Marker
 from tracker.store.memory import InMemoryStore

@@ -12,7 +12,7 @@ from tracker import headers as h
 from tracker.domain.entries import Decision, Entry, EntryKey, Plan
 from tracker.domain.policy import TopicPolicy
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord
+from tracker.kafka.original_records import Missing, OriginalRecord
 
 
 def outgoing_record(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from tracker.clock import Clock, to_millis
 from tracker.engine.wakeup import wait_any
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalsUnavailable
+from tracker.kafka.original_records import Missing, OriginalsUnavailable
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
 from tracker.store import StoreUnavailable

@@ -17,39 +17,31 @@ the copies carry origin and attempt so consumers can drop the duplicates.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
-from aiokafka.errors import KafkaError
-from prometheus_client import Counter
-
 from tracker.clock import Clock, to_millis
-from tracker.domain.entries import Decision, Entry, EntryKey, Plan, State, plan_due
+from tracker.domain.entries import Entry, EntryKey
 from tracker.domain.policy import TopicPolicy
 from tracker.engine.copies import CopyBatches
-from tracker.engine.copy_records import first_seen_ms, outgoing_record, payloads_key
+from tracker.engine.due_alarm import DueAlarm
 from tracker.engine.redelivery_rounds import ClaimedRound, QueuedRound, TrackerEvent, reap_rounds
+from tracker.engine.round_copies import queue_copies, read_payloads
+from tracker.engine.round_outcome import RETRY_AFTER_MS, tally_round
 from tracker.engine.signals import IngestProgress
-from tracker.engine.wakeup import wait_any
-from tracker.errors import KmqError
-from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.kafka.original_records import Missing, OriginalRecord
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
 from tracker.store import StoreUnavailable
-from tracker.store.port import DeadLetterRecord, StoredPayload, TrackerStore
+from tracker.store.port import DeadLetterRecord, TrackerStore
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_MS = 5_000  #: when a round cannot act on an entry (broker trouble), try again then
 WAIT_FOR_PENDING_MS = 100  #: look again at an entry with unapplied markers this much later
-NOT_READY_RECHECK = 0.05  #: seconds between looks at due entries that are not actionable yet
 ROUNDS_IN_FLIGHT = 3  #: rounds claimed and not yet recorded, at most (``Redeliverer.run``)
 
 
@@ -86,7 +78,6 @@ class Redeliverer:
         self._metrics = metrics
         self._batch = batch
         self._lease_ms = claim_lease_ms
-        self._max_idle = max_idle
         self._on_event = on_event
         self._ensure_topic = ensure_topic
         self._depth = depth
@@ -94,43 +85,22 @@ class Redeliverer:
             name: metrics.redelivery_phase.labels(name)
             for name in ("claim", "read", "produce", "ack", "record")
         }
-        self._wake = asyncio.Event()
-        #: while the loop sleeps: per markers partition, its earliest due time, and when the
-        #: loop's timer runs out (ms)
-        self._targets: dict[int, int] | None = None
-        self._wake_at_ms: int | None = None
+        self._alarm = DueAlarm(store=store, progress=progress, clock=clock, max_idle=max_idle)
         self.last_error: str | None = None
 
-    # -- waking --------------------------------------------------------------------------
+    # -- waking (see DueAlarm) -----------------------------------------------------------
 
     def notify_due(self, due_ms: int) -> None:
         """Ingest wrote an entry due at ``due_ms``: wake up if that is earlier than planned."""
-        wake_at = self._wake_at_ms
-        if wake_at is None or due_ms < wake_at:
-            self._wake.set()
+        self._alarm.notify_due(due_ms)
 
     def notify_safe(self, safe_ms: int) -> None:
-        """Ingest read further: entries due up to ``safe_ms`` may be actionable now.
-
-        Wakes the loop if a partition it waits for has become actionable, rather than letting
-        it find out at its next recheck (``NOT_READY_RECHECK``). Checked per partition: a
-        wake-up for another partition's progress made the loop claim, find nothing it may
-        act on, and hold the store (and the next real claim) up for nothing.
-        """
-        targets = self._targets
-        if not targets or min(targets.values()) > safe_ms:
-            return
-        if self._actionable(targets):
-            self._wake.set()
-
-    def _actionable(self, targets: dict[int, int]) -> bool:
-        """Whether any partition's earliest due entry may be acted on now."""
-        now_ms = to_millis(self._clock.now())
-        safe = self._safe_until()
-        return any(due <= now_ms and due <= safe.get(p, -1) for p, due in targets.items())
+        """Ingest read further: entries due up to ``safe_ms`` may be actionable now."""
+        self._alarm.notify_safe(safe_ms)
 
     def notify_ownership(self) -> None:
-        self._wake.set()
+        """The replica's markers partitions changed: look again at once."""
+        self._alarm.notify_ownership()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -230,7 +200,7 @@ class Redeliverer:
             # again at once (an empty claim holds SQLite's writer). After an empty claim, not
             # less than NOT_READY_RECHECK: ``safe_until`` may still list a partition the store
             # has fenced us out of (ingest learns that at its next flush).
-            await self._sleep_until_due(stopping, claimed_nothing=claimed is None)
+            await self._alarm.sleep_until_due(stopping, claimed_nothing=claimed is None)
 
     async def _record_round(self, queued: QueuedRound, slots: asyncio.Semaphore) -> int:
         """Record a produced round in the background; a store that stays away is logged (the
@@ -249,38 +219,6 @@ class Redeliverer:
             return 0
         finally:
             slots.release()
-
-    async def _sleep_until_due(
-        self, stopping: asyncio.Event, *, claimed_nothing: bool = False
-    ) -> None:
-        """Return once an entry may be acted on (or a while has passed, or we stop).
-
-        An entry may be acted on once it is due *and* ingest has read its markers partition
-        up to then (``safe_until``, which trails the clock by ``ack_grace`` at least): waking
-        at the due time alone, the loop claimed before it was allowed to act, found nothing,
-        and slept again. So each partition's timer aims at the moment its horizon should
-        reach its earliest due entry, and ingest's progress (``notify_safe``) wakes the loop
-        as soon as a partition it waits for is actionable.
-        """
-        owned = self._owned_epochs()
-        self._wake.clear()
-        targets = await self._store.next_due_by_partition(owned) if owned else {}
-        if targets and not claimed_nothing and self._actionable(targets):
-            return  # it fell due while the last round ran: claim it now
-        now_ms = to_millis(self._clock.now())
-        safe = self._safe_until()
-        waits = [max(due - now_ms, due - safe[p]) / 1000 for p, due in targets.items() if p in safe]
-        # A partition still catching up (not in ``safe``) is announced by notify_safe;
-        # rechecked shortly in any case.
-        delay = min(waits, default=self._max_idle if not targets else NOT_READY_RECHECK)
-        delay = min(max(NOT_READY_RECHECK, delay), self._max_idle)
-        self._targets = targets
-        self._wake_at_ms = now_ms + int(delay * 1000)
-        try:
-            await wait_any(self._wake, stopping, timeout=delay)
-        finally:
-            self._targets = None
-            self._wake_at_ms = None
 
     async def run_round(self) -> int:
         """Claim, produce and record one batch of due entries; returns how many were acted on.
@@ -359,8 +297,15 @@ class Redeliverer:
         built = time.perf_counter()
         self._phase["read"].observe(built - started)
         batches = CopyBatches(self._producer)
-        sends, lost, lost_entries = await self._queue_copies(
-            entries, payloads, batches, retry, now_ms
+        sends, lost, lost_entries = await queue_copies(
+            entries,
+            payloads,
+            batches,
+            retry,
+            now_ms,
+            policy_for=self._policy_for,
+            ensure_topic=self._ensure_topic,
+            metrics=self._metrics,
         )
         await batches.queue()
         self._phase["produce"].observe(time.perf_counter() - built)
@@ -370,31 +315,14 @@ class Redeliverer:
 
     async def _payloads(
         self, entries: list[Entry]
-    ) -> dict[tuple[str, str, int, int], OriginalRecord | Missing | None]:
+    ) -> dict[EntryKey, OriginalRecord | Missing | None]:
         """Each entry's payload; None where the broker could not be read right now."""
-        kept = await self._store.load_payloads([e.key for e in entries if e.keep_payload])
-        out: dict[tuple[str, str, int, int], OriginalRecord | Missing | None] = {}
-        need: list[Entry] = []
-        for entry in entries:
-            stored: StoredPayload | None = kept.get(entry.key)
-            if stored is not None:
-                out[entry.key] = OriginalRecord(
-                    stored.key, stored.value, stored.headers, stored.timestamp_ms
-                )
-            else:
-                need.append(entry)
-        if need:
-            positions = [MessageId(e.copy_topic, e.copy_partition, e.copy_offset) for e in need]
-            try:
-                found = await self._originals.fetch(positions)
-            except OriginalsUnavailable as exc:
-                self.last_error = f"broker: {exc}"
-                self._metrics.redelivery_errors.labels("read").inc()
-                log.warning("cannot read originals now, retrying later: %s", exc)
-                found = {}
-            for entry, position in zip(need, positions, strict=True):
-                out[entry.key] = found.get(position)
-        return out
+        payloads, unavailable = await read_payloads(self._store, self._originals, entries)
+        if unavailable is not None:
+            self.last_error = f"broker: {unavailable}"
+            self._metrics.redelivery_errors.labels("read").inc()
+            log.warning("cannot read originals now, retrying later: %s", unavailable)
+        return payloads
 
     async def _record(self, queued: QueuedRound) -> int:
         """Wait for the round's copies to be acknowledged, then record the round."""
@@ -403,61 +331,17 @@ class Redeliverer:
         acked = time.perf_counter()
         self._phase["ack"].observe(acked - started)
         claimed, now_ms, retry = queued.claimed, queued.now_ms, queued.retry
-        done: list[tuple[str, str, int, int]] = []
-        dead: list[DeadLetterRecord] = []
-        events: list[TrackerEvent] = []
-        # Counted once the round is recorded: a scrape never sees a redelivery counted while
-        # its entry still reads as in flight. One increment per counter and topic.
-        counted: collections.Counter[tuple[Counter, str]] = collections.Counter()
-        failed: dict[str, BaseException] = {}
-        for entry, plan, target, detail, ticket in queued.sends:
-            result = queued.batches.result(ticket)
-            if isinstance(result, BaseException):
-                failed.setdefault(target, result)
-                retry.append((entry.key, now_ms + RETRY_AFTER_MS))
-                continue
-            if plan.decision is Decision.REDELIVER:
-                done.append(entry.key)
-                # A delayed message's first copy is its first delivery, not a redelivery:
-                # counted apart, so that delayed traffic does not read as consumers failing.
-                first_delivery = entry.state is State.DELAYED and entry.deferred
-                counter = (
-                    self._metrics.delayed_delivered
-                    if first_delivery
-                    else self._metrics.redeliveries
-                )
-                counted[counter, entry.origin_topic] += 1
-                if self._on_event is not None:
-                    events.append(TrackerEvent("redelivered", entry, detail))
-            else:
-                dead.append(
-                    DeadLetterRecord(
-                        entry=entry,
-                        dlq_topic=target,
-                        dlq_partition=result.partition,
-                        dlq_offset=result.offset,
-                        reason=plan.reason,
-                        dead_lettered_ms=now_ms,
-                        message_key=payloads_key(queued.payloads, entry),
-                    )
-                )
-                counted[self._metrics.dead_lettered, entry.origin_topic] += 1
-                if self._on_event is not None:
-                    events.append(TrackerEvent("dead_lettered", entry, detail))
-        for target, error in failed.items():  # one line per topic, not one per record
-            log.warning("producing to %s failed (retried later): %r", target, error)
-            self._metrics.redelivery_errors.labels("produce").inc()
-        events += self._report_lost(queued.lost_entries, queued.lost, counted)
+        tally = tally_round(queued, self._metrics, observed=self._on_event is not None)
         await self._finish(
-            claimed, done=done, dead=dead, lost=queued.lost, retry=retry, now_ms=now_ms
+            claimed, done=tally.done, dead=tally.dead, lost=queued.lost, retry=retry, now_ms=now_ms
         )
         if retry:  # entries put back: due again soon, maybe before the claimer's next look
             self.notify_due(min(due for _, due in retry))
         self._phase["record"].observe(time.perf_counter() - acked)
-        for (counter, topic), count in counted.items():
+        for (counter, topic), count in tally.counted.items():
             counter.labels(topic).inc(count)
         self._metrics.redelivery_seconds.observe(time.perf_counter() - claimed.started)
-        await self._emit(events)
+        await self._emit(tally.events)
         return queued.acted
 
     async def _finish(
@@ -527,75 +411,6 @@ class Redeliverer:
             retry=retry,
             now_ms=now_ms,
         )
-
-    async def _queue_copies(
-        self,
-        entries: list[Entry],
-        payloads: dict[EntryKey, OriginalRecord | Missing | None],
-        batches: CopyBatches,
-        retry: list[tuple[EntryKey, int]],
-        now_ms: int,
-    ) -> tuple[list[tuple[Entry, Plan, str, str, int]], list[tuple[EntryKey, str]], list[Entry]]:
-        """Queue each entry's copy or dead letter; returns (queued, lost, lost entries).
-
-        Entries that cannot be acted on now go to ``retry``.
-        """
-        sends: list[tuple[Entry, Plan, str, str, int]] = []
-        lost: list[tuple[EntryKey, str]] = []
-        lost_entries: list[Entry] = []
-        for claimed in entries:
-            original = payloads[claimed.key]
-            if original is None:
-                retry.append((claimed.key, now_ms + RETRY_AFTER_MS))
-                continue
-            if isinstance(original, Missing):
-                copy = f"{claimed.copy_topic}/{claimed.copy_partition}/{claimed.copy_offset}"
-                reason = f"original {copy} unreadable: {original.reason}"
-                lost.append((claimed.key, reason))
-                lost_entries.append(claimed)
-                continue
-            first_seen = first_seen_ms(claimed, original)
-            entry = (  # copying an Entry costs more than the rest of this loop: only if needed
-                claimed
-                if first_seen == claimed.first_seen_ms
-                else replace(claimed, first_seen_ms=first_seen)
-            )
-            plan = plan_due(entry, self._policy_for(entry.origin_topic).max_attempts)
-            target, record_headers, detail = outgoing_record(
-                entry, plan, original, self._policy_for(entry.origin_topic), now_ms
-            )
-            try:
-                if self._ensure_topic is not None and target != entry.origin_topic:
-                    await self._ensure_topic(target, entry.origin_topic)
-                ticket = await batches.add(target, original.key, original.value, record_headers)
-            except (KafkaError, KmqError) as exc:
-                log.warning("cannot produce to %s now: %r", target, exc)
-                self._metrics.redelivery_errors.labels("produce").inc()
-                retry.append((entry.key, now_ms + RETRY_AFTER_MS))
-                continue
-            sends.append((entry, plan, target, detail, ticket))
-        return sends, lost, lost_entries
-
-    def _report_lost(
-        self,
-        entries: Sequence[Entry],
-        lost: Sequence[tuple[EntryKey, str]],
-        counted: collections.Counter[tuple[Counter, str]],
-    ) -> list[TrackerEvent]:
-        """Log each lost message (an ERROR: an operator must know) and count it once recorded."""
-        events: list[TrackerEvent] = []
-        for entry, (_, reason) in zip(entries, lost, strict=True):
-            counted[self._metrics.lost, entry.origin_topic] += 1
-            origin = f"{entry.origin_topic}/{entry.origin_partition}/{entry.origin_offset}"
-            log.error(
-                "message %s of group %s lost: %s",
-                origin,
-                entry.group_id,
-                reason,
-                extra={"message_id": origin, "group": entry.group_id, "topic": entry.origin_topic},
-            )
-            events.append(TrackerEvent("lost", entry, reason))
-        return events
 
     async def _emit(self, events: Sequence[TrackerEvent]) -> None:
         if self._on_event is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tracker.domain.entries import Entry, EntryKey, Plan
 from tracker.engine.copies import CopyBatches
-from tracker.kafka.originals import Missing, OriginalRecord
+from tracker.kafka.original_records import Missing, OriginalRecord
 
 
 @dataclass(frozen=True, slots=True)

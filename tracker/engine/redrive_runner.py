@@ -49,7 +49,7 @@ from tracker.engine.wakeup import wait_any
 from tracker.errors import KmqError
 from tracker.headers import job_marks, redrive_headers, redrive_marks
 from tracker.ids import MessageId
-from tracker.kafka.originals import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.kafka.scan import PartitionScanner
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource

@@ -4,7 +4,8 @@ Kept apart from the engine so that everything that talks to a broker (and every 
 it has to cope with) sits in one place, tested against a real broker.
 """
 
-from tracker.kafka.originals import Missing, OriginalRecord, OriginalsReader, OriginalsUnavailable
+from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.topic_admin import (
     KafkaUnavailable,
     TopicMismatch,

@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from aiokafka import TopicPartition
 from aiokafka.errors import (
     ConsumerStoppedError,
     KafkaError,
@@ -48,9 +46,16 @@ from aiokafka.errors import (
     RecordTooLargeError,
 )
 
-from tracker.errors import ClientClosed, KmqError
+from tracker.errors import ClientClosed
 from tracker.ids import MessageId
 from tracker.kafka.clients import start_positional_consumer, stop_consumer
+from tracker.kafka.cluster_bounds import ClusterBounds
+from tracker.kafka.original_records import (
+    Missing,
+    OriginalRecord,
+    OriginalsUnavailable,
+)
+from tracker.kafka.partition_read import PartitionRead, existing_partitions, plan_reads
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +73,6 @@ _POLL_SECONDS = 0.05
 #: Broker-side wait for an empty fetch. Short: an empty answer is how the end of a partition
 #: is confirmed, and the reader is waiting for it.
 _FETCH_MAX_WAIT_MS = 50
-
-#: How long a fetch may reuse what an earlier one learned: the cluster's topics and
-#: partitions, and each partition's bounds (log start, end). A burst of redelivery rounds
-#: reads every ~50 ms; asking the broker both again each time was two of a round's four
-#: round trips. A topic or partition not in the cached metadata is asked about again before
-#: it is called missing; an offset at or past the cached end makes the bounds be read again;
-#: a log start that moved meanwhile is found by the read itself (Kafka answers out of range,
-#: and gaps are checked against a fresh log start).
-_KNOWN_MAX_AGE = 1.0
 
 #: Bytes one fetch brings per partition, unless ``client_config`` says otherwise. aiokafka's
 #: default (1 MiB) had every redelivery round pull up to 1 MiB from each partition it reads,
@@ -110,115 +106,6 @@ RESERVED_CLIENT_KEYS = frozenset(
         "value_deserializer",
     }
 )
-
-
-class OriginalsUnavailable(KmqError):
-    """The broker did not serve the original records in time: try again later (not lost)."""
-
-
-@dataclass(frozen=True, slots=True)
-class OriginalRecord:
-    """An original record as stored in Kafka: what a republished copy is built from.
-
-    ``headers`` keeps Kafka's order and duplicates. A header whose value is null on the wire
-    comes back as ``None`` (kept as is, so a copy reproduces it exactly).
-    """
-
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes | None], ...]
-    timestamp_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class Missing:
-    """The record at this position is gone or never existed; ``reason`` says which, for people.
-
-    Examples: ``deleted by retention: log start offset is 120``; ``offset 57 is beyond the end
-    of the partition (end offset 40)``; ``no record at offset 12 (compacted or a transaction
-    marker)``; ``topic 'x' does not exist``; ``partition 9 of topic 'x' does not exist``.
-    """
-
-    reason: str
-
-
-@dataclass(slots=True)
-class _PartitionRead:
-    """Reading state of one partition during one :meth:`OriginalsReader.fetch` call.
-
-    ``listed_end`` is ``end_offsets()``'s answer: exact on Kafka, possibly too low on tansu,
-    never too high; offsets below it certainly exist (or existed). ``high_watermark`` is the
-    end as seen in a fetch response during this call (None until one arrived); offsets at or
-    above it are certainly beyond the end.
-    """
-
-    tp: Any  # aiokafka TopicPartition
-    plan: list[int]  # sorted, distinct wanted offsets at or above the log start
-    begin: int
-    listed_end: int
-    high_watermark: int | None = None
-    next_index: int = 0
-    wanted: set[int] = field(default_factory=set)  # planned offsets not yet resolved
-    gaps: list[int] = field(default_factory=list)  # in range, passed, never returned
-
-    @property
-    def done(self) -> bool:
-        return self.next_index >= len(self.plan)
-
-    def collect(
-        self, records: list[Any], results: dict[MessageId, OriginalRecord | Missing]
-    ) -> None:
-        """Keep the wanted ones among fetched ``records`` (others are read through a gap)."""
-        topic, partition, wanted = self.tp.topic, self.tp.partition, self.wanted
-        for record in records:
-            offset = record.offset
-            if offset in wanted:
-                wanted.discard(offset)
-                results[MessageId(topic, partition, offset)] = OriginalRecord(
-                    key=record.key,
-                    value=record.value,
-                    headers=tuple((k, v) for k, v in record.headers),
-                    timestamp_ms=record.timestamp,
-                )
-
-    def advance(
-        self, position: int, results: dict[MessageId, OriginalRecord | Missing]
-    ) -> int | None:
-        """The consumer is at ``position``: the next wanted offset, or None when done.
-
-        Wanted offsets below the position that were not returned are gaps: the broker has no
-        record there (or no longer has: see the final log-start check). Wanted offsets at or
-        above a high watermark seen in this call are beyond the end.
-        """
-        plan, wanted = self.plan, self.wanted
-        while self.next_index < len(plan) and plan[self.next_index] < position:
-            offset = plan[self.next_index]
-            if offset in wanted:
-                wanted.discard(offset)
-                self.gaps.append(offset)
-            self.next_index += 1
-        end = self.high_watermark
-        if end is not None and not self.done and plan[self.next_index] >= end:
-            for offset in plan[self.next_index :]:
-                if offset in wanted:
-                    wanted.discard(offset)
-                    results[MessageId(self.tp.topic, self.tp.partition, offset)] = Missing(
-                        f"offset {offset} is beyond the end of the partition (end offset {end})"
-                    )
-            self.next_index = len(plan)
-        return None if self.done else plan[self.next_index]
-
-    def seek_target(self, target: int) -> int:
-        """Where to seek to read ``target``: there, unless it may lie beyond the end.
-
-        An offset at or above ``listed_end`` whose existence no fetch has confirmed yet is
-        approached from the last listed record: that fetch returns records (so it answers
-        quickly) and a high watermark, which settles the question on both brokers; seeking
-        right past the end would get an error from Kafka and silence from tansu.
-        """
-        if target < self.listed_end or self.high_watermark is not None:
-            return target
-        return max(self.listed_end - 1, self.begin)
 
 
 class OriginalsReader:
@@ -278,9 +165,7 @@ class OriginalsReader:
         self._config = config
         self._consumer: Any = None
         self._lock = asyncio.Lock()
-        self._cluster: Any = None  #: the last all-topics metadata, and when (loop time)
-        self._cluster_at = 0.0
-        self._bounds_known: dict[Any, tuple[int, int, float]] = {}  #: tp: (begin, end, when)
+        self._cluster = ClusterBounds(bootstrap_servers, fetch_timeout)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -369,77 +254,37 @@ class OriginalsReader:
         results: dict[MessageId, OriginalRecord | Missing] = {}
 
         # 1. Which topics and partitions exist, without creating any (all-topics metadata).
-        cluster = await self._metadata(consumer, by_partition)
-        existing: dict[Any, set[int]] = {}
-        for (topic, partition), offsets in by_partition.items():
-            partitions = cluster.partitions_for_topic(topic)
-            reason: str | None = None
-            if partitions is None:
-                reason = f"topic {topic!r} does not exist"
-            elif partition not in partitions:
-                reason = f"partition {partition} of topic {topic!r} does not exist"
-            if reason is not None:
-                for offset in offsets:
-                    results[MessageId(topic, partition, offset)] = Missing(reason)
-                continue
-            negative = {offset for offset in offsets if offset < 0}
-            for offset in negative:
-                results[MessageId(topic, partition, offset)] = Missing(
-                    f"offset {offset} is not a valid offset"
-                )
-            if offsets - negative:
-                existing[TopicPartition(topic, partition)] = offsets - negative
+        cluster = await self._cluster.metadata(consumer, by_partition)
+        existing = existing_partitions(cluster, by_partition, results)
         if not existing:
             return results
 
         # 2. The partitions' bounds. Below the log start is certainly gone (retention); the end
-        # is settled by fetch responses while reading (see _PartitionRead).
-        begins, ends = await self._known_bounds(consumer, existing)
-        reads: list[_PartitionRead] = []
-        for tp, offsets in existing.items():
-            read = _PartitionRead(tp, [], begins[tp], ends[tp])
-            for offset in sorted(offsets):
-                if offset < read.begin:
-                    results[MessageId(tp.topic, tp.partition, offset)] = Missing(
-                        _retention_reason(read.begin)
-                    )
-                else:
-                    read.plan.append(offset)
-            if read.plan:
-                read.wanted = set(read.plan)
-                reads.append(read)
+        # is settled by fetch responses while reading (see PartitionRead).
+        begins, ends = await self._cluster.known_bounds(consumer, existing)
+        reads = plan_reads(existing, begins, ends, results)
         if not reads:
             return results
 
         # 3. Read forward from the first wanted offset of every partition, concurrently.
         await self._read(consumer, reads, results)
         for read in reads:  # what the fetch responses told of the end
-            known = self._bounds_known.get(read.tp)
-            if known is not None and read.high_watermark is not None:
-                end = max(known[1], read.high_watermark)
-                self._bounds_known[read.tp] = (known[0], end, known[2])
+            if read.high_watermark is not None:
+                self._cluster.saw_end(read.tp, read.high_watermark)
 
         # 4. In range but never returned: compacted, a transaction marker, or (if the log start
         # moved while reading) deleted by retention. Look at the log start again to tell.
         with_gaps = [read for read in reads if read.gaps]
         if with_gaps:
-            fresh_begins, _ = await self._bounds(consumer, [read.tp for read in with_gaps])
+            fresh_begins, _ = await self._cluster.bounds(consumer, [read.tp for read in with_gaps])
             for read in with_gaps:
-                begin = fresh_begins.get(read.tp, read.begin)
-                for offset in read.gaps:
-                    position = MessageId(read.tp.topic, read.tp.partition, offset)
-                    if offset < begin:
-                        results[position] = Missing(_retention_reason(begin))
-                    else:
-                        results[position] = Missing(
-                            f"no record at offset {offset} (compacted or a transaction marker)"
-                        )
+                read.settle_gaps(fresh_begins.get(read.tp, read.begin), results)
         return results
 
     async def _read(
         self,
         consumer: Any,
-        reads: list[_PartitionRead],
+        reads: list[PartitionRead],
         results: dict[MessageId, OriginalRecord | Missing],
     ) -> None:
         active = {read.tp: read for read in reads}
@@ -487,7 +332,7 @@ class OriginalsReader:
             # transaction markers, an empty fetch at the end), so look at every active
             # partition, not only those that returned something.
             for tp, partition_read in list(active.items()):
-                position = await self._within(consumer.position(tp), "reading a position")
+                position = await self._cluster.within(consumer.position(tp), "reading a position")
                 high_watermark = consumer.highwater(tp)
                 if high_watermark is not None and high_watermark != partition_read.high_watermark:
                     partition_read.high_watermark = high_watermark
@@ -510,7 +355,7 @@ class OriginalsReader:
     async def _take(
         self,
         consumer: Any,
-        active: dict[Any, _PartitionRead],
+        active: dict[Any, PartitionRead],
         positions: dict[Any, int],
         remaining: float,
     ) -> dict[Any, list[Any]]:
@@ -543,7 +388,7 @@ class OriginalsReader:
         self,
         consumer: Any,
         exc: OffsetOutOfRangeError,
-        active: dict[Any, _PartitionRead],
+        active: dict[Any, PartitionRead],
         positions: dict[Any, int],
         results: dict[MessageId, OriginalRecord | Missing],
     ) -> bool:
@@ -559,22 +404,10 @@ class OriginalsReader:
         settled = False
         failed = exc.args[0] if exc.args and isinstance(exc.args[0], dict) else {}
         tps = [tp for tp in failed if tp in active] or list(active)
-        begins, ends = await self._bounds(consumer, tps)
+        begins, ends = await self._cluster.bounds(consumer, tps)
         for tp in tps:
             read = active[tp]
-            read.begin, read.listed_end = begins[tp], ends[tp]
-            for offset in read.plan[read.next_index :]:
-                if offset < read.begin and offset in read.wanted:
-                    settled = True
-                    read.wanted.discard(offset)
-                    results[MessageId(tp.topic, tp.partition, offset)] = Missing(
-                        _retention_reason(read.begin)
-                    )
-            # Skip what was just classified; continue at the first offset still wanted.
-            while read.next_index < len(read.plan) and (
-                read.plan[read.next_index] not in read.wanted
-            ):
-                read.next_index += 1
+            settled = read.rebound(begins[tp], ends[tp], results) or settled
             log.info(
                 "offset out of range on %s/%s; log start %d, end %d",
                 tp.topic,
@@ -590,77 +423,3 @@ class OriginalsReader:
                 consumer.seek(tp, destination)
                 positions[tp] = destination
         return settled
-
-    async def _metadata(self, consumer: Any, wanted: Mapping[tuple[str, int], Any]) -> Any:
-        """The cluster's metadata: the cached one if recent and it knows every wanted
-        partition, else fresh (nothing is called missing on the strength of a cache)."""
-        now = asyncio.get_running_loop().time()
-        cluster = self._cluster
-        if (
-            cluster is not None
-            and now - self._cluster_at < _KNOWN_MAX_AGE
-            and all(
-                partition in (cluster.partitions_for_topic(topic) or ())
-                for topic, partition in wanted
-            )
-        ):
-            return cluster
-        # The consumer's client is aiokafka-internal but stable; the public consumer.topics()
-        # makes the same request and throws the partition counts away.
-        cluster = await self._within(
-            consumer._client.fetch_all_metadata(), "reading cluster metadata"
-        )
-        self._cluster, self._cluster_at = cluster, now
-        return cluster
-
-    async def _known_bounds(
-        self, consumer: Any, wanted: dict[Any, set[int]]
-    ) -> tuple[dict[Any, int], dict[Any, int]]:
-        """Each wanted partition's (log start, end): recent ones reused while every wanted
-        offset lies below the known end, the others read from the broker."""
-        now = asyncio.get_running_loop().time()
-        begins: dict[Any, int] = {}
-        ends: dict[Any, int] = {}
-        ask: list[Any] = []
-        for tp, offsets in wanted.items():
-            known = self._bounds_known.get(tp)
-            if known is not None and now - known[2] < _KNOWN_MAX_AGE and max(offsets) < known[1]:
-                begins[tp], ends[tp] = known[0], known[1]
-            else:
-                ask.append(tp)
-        if ask:
-            fresh_begins, fresh_ends = await self._bounds(consumer, ask)
-            for tp in ask:
-                begins[tp], ends[tp] = fresh_begins[tp], fresh_ends[tp]
-                self._bounds_known[tp] = (begins[tp], ends[tp], now)
-        if len(self._bounds_known) > 4 * len(wanted) + 1024:  # forget what is no longer read
-            self._bounds_known = {
-                tp: known
-                for tp, known in self._bounds_known.items()
-                if now - known[2] < _KNOWN_MAX_AGE
-            }
-        return begins, ends
-
-    async def _bounds(self, consumer: Any, tps: list[Any]) -> tuple[dict[Any, int], dict[Any, int]]:
-        begins, ends = await self._within(
-            asyncio.gather(consumer.beginning_offsets(tps), consumer.end_offsets(tps)),
-            "reading partition offsets",
-        )
-        return begins, ends
-
-    async def _within(self, awaitable: Awaitable[T], what: str) -> T:
-        """Await one broker interaction, bounded by ``fetch_timeout``; failures mean "later"."""
-        try:
-            async with asyncio.timeout(self.fetch_timeout):
-                return await awaitable
-        except TimeoutError as exc:
-            raise OriginalsUnavailable(
-                f"{what}: Kafka at {self.bootstrap_servers} did not answer within "
-                f"{self.fetch_timeout:g}s"
-            ) from exc
-        except KafkaError as exc:
-            raise OriginalsUnavailable(f"{what}: {exc!r}") from exc
-
-
-def _retention_reason(begin: int) -> str:
-    return f"deleted by retention: log start offset is {begin}"

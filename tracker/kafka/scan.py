@@ -22,7 +22,8 @@ from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
 from tracker.kafka.clients import start_positional_consumer, stop_consumer
-from tracker.kafka.originals import RESERVED_CLIENT_KEYS, OriginalsUnavailable
+from tracker.kafka.original_records import OriginalsUnavailable
+from tracker.kafka.originals import RESERVED_CLIENT_KEYS
 
 _POLL_MS = 50
 _MAX_RECORDS = 2000
