@@ -34,7 +34,7 @@ def _database_url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from tracker.settings import load_settings  # noqa: PLC0415 - only when no URL was given
+    from tracker.settings_loading import load_settings  # noqa: PLC0415 - only when no URL was given
 
     return load_settings().database_url
 

@@ -17,13 +17,8 @@ from pydantic_settings import SettingsError
 from tracker import __version__
 from tracker.errors import KmqError, MarkerError
 from tracker.protocol import decode_marker
-from tracker.settings import (
-    CONFIG_FILE_ENV,
-    ConfigFileError,
-    TrackerSettings,
-    load_settings,
-    unknown_environment,
-)
+from tracker.settings import CONFIG_FILE_ENV, TrackerSettings
+from tracker.settings_loading import ConfigFileError, load_settings, unknown_environment
 
 log = logging.getLogger("tracker.cli")
 

@@ -39,7 +39,8 @@ from tracker.kafka.client_security import kafka_client_options
 from tracker.kafka.originals import OriginalsReader
 from tracker.kafka.scan import PartitionScanner
 from tracker.metrics import Metrics
-from tracker.settings import TrackerSettings, load_settings
+from tracker.settings import TrackerSettings
+from tracker.settings_loading import load_settings
 from tracker.store import Store
 from tracker.store.migrate import check_schema, upgrade
 from tracker.store.redrive_leases import RedriveLeaseStore

@@ -9,15 +9,14 @@ policy overrides are easiest in the TOML file::
     processing_timeout = 120
     max_attempts = 10
 
-Settings are built once, in the process's factory (:func:`load_settings`), never at import.
+Settings are built once, in the process's factory
+(:func:`~tracker.settings_loading.load_settings`), never at import.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 import socket
-from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -37,20 +36,9 @@ from pydantic_settings import (
 
 from tracker.domain.durations import Duration
 from tracker.domain.policy import TopicPolicy, TopicPolicyOverride, topic_name
+from tracker.settings_checks import check_kafka_security
 
 CONFIG_FILE_ENV = "KMQ_CONFIG_FILE"
-
-#: aiokafka client arguments that the ``kafka_security_*`` / ``kafka_sasl_*`` / ``kafka_ssl_*``
-#: settings produce; ``kafka_client_config`` may not set them as well.
-KAFKA_SECURITY_CLIENT_KEYS = frozenset(
-    {
-        "security_protocol",
-        "sasl_mechanism",
-        "sasl_plain_username",
-        "sasl_plain_password",
-        "ssl_context",
-    }
-)
 
 
 def _default_replica_id() -> str:
@@ -340,52 +328,7 @@ class TrackerSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_kafka_security(self) -> TrackerSettings:
         """Kafka security settings that only make sense together (tracker/kafka/client_security)."""
-        protocol = self.kafka_security_protocol
-        sasl = protocol.startswith("SASL_")
-        tls = protocol.endswith("SSL")
-        sasl_set = [
-            name
-            for name in ("kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password")
-            if getattr(self, name) is not None
-        ]
-        if sasl:
-            missing = [
-                name
-                for name in ("kafka_sasl_mechanism", "kafka_sasl_username", "kafka_sasl_password")
-                if name not in sasl_set
-            ]
-            if missing:
-                raise ValueError(f"kafka_security_protocol {protocol} needs {', '.join(missing)}")
-        elif sasl_set:
-            raise ValueError(
-                f"{', '.join(sasl_set)} set but kafka_security_protocol is {protocol}: "
-                "use SASL_SSL (or SASL_PLAINTEXT)"
-            )
-        tls_set = [
-            name
-            for name in (
-                "kafka_ssl_cafile",
-                "kafka_ssl_certfile",
-                "kafka_ssl_keyfile",
-                "kafka_ssl_key_password",
-            )
-            if getattr(self, name) is not None
-        ]
-        if tls_set and not tls:
-            raise ValueError(
-                f"{', '.join(tls_set)} set but kafka_security_protocol is {protocol}: "
-                "use SSL or SASL_SSL"
-            )
-        if self.kafka_ssl_keyfile is not None and self.kafka_ssl_certfile is None:
-            raise ValueError("kafka_ssl_keyfile needs kafka_ssl_certfile")
-        if self.kafka_ssl_key_password is not None and self.kafka_ssl_keyfile is None:
-            raise ValueError("kafka_ssl_key_password needs kafka_ssl_keyfile")
-        clashes = sorted(KAFKA_SECURITY_CLIENT_KEYS.intersection(self.kafka_client_config))
-        if clashes and (protocol != "PLAINTEXT" or sasl_set or tls_set):
-            raise ValueError(
-                f"kafka_client_config sets {', '.join(clashes)}: configure Kafka security "
-                "with the kafka_security_protocol / kafka_sasl_* / kafka_ssl_* settings only"
-            )
+        check_kafka_security(self)
         return self
 
     @property
@@ -414,57 +357,3 @@ class TrackerSettings(BaseSettings):
         if config_file:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
         return tuple(sources)
-
-
-def load_settings(config_file: str | Path | None = None, **overrides: Any) -> TrackerSettings:
-    """Build the settings from the environment, ``config_file`` (TOML) and ``overrides``.
-
-    Raises ``pydantic.ValidationError`` or ``ConfigFileError`` with a readable message.
-    """
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigFileError(f"config file {str(path)!r} does not exist")
-        previous = os.environ.get(CONFIG_FILE_ENV)
-        os.environ[CONFIG_FILE_ENV] = str(path)
-        try:
-            return TrackerSettings(**overrides)
-        finally:
-            if previous is None:
-                del os.environ[CONFIG_FILE_ENV]
-            else:
-                os.environ[CONFIG_FILE_ENV] = previous
-    return TrackerSettings(**overrides)
-
-
-#: ``KMQ_*`` variables that are not settings but are read elsewhere (or by the test tooling).
-NOT_SETTINGS = frozenset(
-    {CONFIG_FILE_ENV, "KMQ_PURE_PYTHON", "KMQ_REQUIRE_SPEEDUPS", "KMQ_SOAK"}
-    | {"KMQ_RELIABILITY_FIGURES"}
-)
-
-
-def unknown_environment(environ: Mapping[str, str]) -> list[str]:
-    """One warning per ``KMQ_*`` variable that sets nothing (a typo falls back to a default).
-
-    pydantic-settings ignores environment variables that match no field, so a misspelt
-    ``KMQ_DATABSE_URL`` would silently leave the tracker on the default SQLite file.
-    """
-    prefix = "KMQ_"
-    known = {prefix + name.upper() for name in TrackerSettings.model_fields}
-    warnings = []
-    for variable in sorted(environ):
-        if not variable.startswith(prefix) or variable in NOT_SETTINGS:
-            continue
-        if variable in known or variable.split("__", 1)[0] in known:
-            continue
-        hint = difflib.get_close_matches(variable, known, n=1)
-        suggestion = f" (did you mean {hint[0]}?)" if hint else ""
-        warnings.append(
-            f"environment variable {variable} is not a setting and is ignored{suggestion}"
-        )
-    return warnings
-
-
-class ConfigFileError(ValueError):
-    """The configuration file cannot be used."""

@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query
 
 from tracker.domain.policy import TopicPolicy
-from tracker.store.inspection import TopicCounts
+from tracker.store.topic_statistics import TopicCounts
 
 from ..context import ApiContext
 from ..deps import Context, Reader

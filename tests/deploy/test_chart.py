@@ -18,7 +18,8 @@ from typing import Any
 import helm_python as helm
 import pytest
 
-from tracker.settings import TrackerSettings, load_settings
+from tracker.settings import TrackerSettings
+from tracker.settings_loading import load_settings
 
 from .charts import (
     CHART,

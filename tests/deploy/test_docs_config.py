@@ -11,7 +11,8 @@ import docs_config
 import pytest
 
 from tracker.metrics import Metrics
-from tracker.settings import TrackerSettings, load_settings
+from tracker.settings import TrackerSettings
+from tracker.settings_loading import load_settings
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from tracker.cli import main
 from tracker.domain.policy import BackoffPolicy
-from tracker.settings import ConfigFileError, TrackerSettings, load_settings, unknown_environment
+from tracker.settings import TrackerSettings
+from tracker.settings_loading import ConfigFileError, load_settings, unknown_environment
 
 pytestmark = pytest.mark.unit
 
