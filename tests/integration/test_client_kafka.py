@@ -362,7 +362,7 @@ async def test_a_revoked_partitions_prefetched_batches_are_not_handed_over(
             batch: Sequence[KmqMessage] = await collect(first, 1)
             processed["first"] += [(m.partition, m.offset) for m in batch]
             await first.ack_all()
-        pipeline = first._pipeline
+        pipeline = first._ranges._pipeline
         assert pipeline is not None
         deadline = loop.time() + 30
         # Setup: everything not handed over yet waits in the pipeline, fetched ahead.

@@ -97,7 +97,7 @@ async def test_the_consumer_untracks_each_batch_it_fetches_unless_values_are_des
 
     try:
         consumer._consumer.getmany = getmany
-        got = await consumer._fetch_batch()
+        got = await consumer._ranges._fetch_batch()
         assert got is fetched
         records = got[TopicPartition("orders", 0)]
         assert [gc.is_tracked(r) for r in records] == [not untracked] * 3

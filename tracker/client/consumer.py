@@ -24,35 +24,33 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Self
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
 
 from tracker.clock import Clock, SystemClock
 from tracker.errors import ClientClosed, MarkerWriteFailed
-from tracker.ids import MessageId, is_valid_topic
+from tracker.ids import is_valid_topic
 from tracker.kafka.clients import stop_consumer
-from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS, AnyMarker
+from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS
 
 from .gc_untrack import records_untracker
 from .group_membership import GroupTimeouts, RebalanceCounter
 from .handlers import Handler, HandlerCaller
 from .marker_sink import KafkaMarkerSink, MarkerSink
 from .message import KmqMessage, MessageContext
-from .message_batch import MessageBatch, each_once
-from .offset_commits import OffsetCommits, offsets_past
-from .open_ranges import OpenRange, RangeBook
+from .message_batch import each_once
+from .offset_commits import OffsetCommits
+from .open_ranges import RangeBook
 from .ordering import Ordering
-from .pipeline import StartPipeline
-from .planning import Action, Planned, RangePlan, Run, SeenCopies, plan_batch, plan_ranges
+from .per_message_take import HandOverCounts, PerMessageTaker
+from .planning import SeenCopies
 from .pool_config import PoolSettings, WorkerStats, checked_run_options
 from .pool_source import ConsumerBatchSource, TakenBatch
-from .prepared_batches import PreparedBatch, prefetch_seconds, value_bytes
+from .range_take import RangeTaker
 from .workers import WorkerPool
 
 #: aiokafka's default ``fetch_max_bytes`` (50 MiB, as the Java consumer's ``fetch.max.bytes``).
@@ -170,11 +168,6 @@ class KmqConsumer:
                 "enable_auto_commit": False,
             },
         )
-        self._untrack = records_untracker(consumer_config or {})
-        # aiokafka's own bound on a fetch; the pipeline holds no more than that ahead either.
-        self._fetch_max_bytes = int(
-            (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
-        )
         #: counts rebalances: batches fetched before one are not handed over
         self._rebalances = RebalanceCounter(self._on_revoked)
         self._group_timeouts = GroupTimeouts.of(consumer_config or {})
@@ -190,16 +183,44 @@ class KmqConsumer:
         self.marker_version = marker_version
         self._book = RangeBook(self._sink.send_later)
         self._context = MessageContext(group_id, self._sink, self._book)
-        self._pipeline: StartPipeline | None = None
-        self._pipeline_depth = pipeline_depth
         self._commits = OffsetCommits(self._consumer)
-        #: handed-over messages settled per message (copies): what ack_all must ack
-        self._loose: list[KmqMessage] = []
         self._running = False
         self._handed_out = False  #: messages were taken with getmany/iteration
         self._pool: WorkerPool | None = None  #: run()'s pool, while it runs
-        self.skipped = 0  #: records skipped (other group's copies, duplicates)
-        self.deferred = 0  #: not-yet-due delayed records handed to the tracker
+        self._counts = HandOverCounts()
+        self._per_message = PerMessageTaker(
+            consumer=self._consumer,
+            sink=self._sink,
+            context=self._context,
+            counts=self._counts,
+            seen=self._seen,
+            clock=self._clock,
+            group_id=group_id,
+            consumer_id=self.consumer_id,
+            max_batch=max_batch,
+        )
+        self._ranges = RangeTaker(
+            consumer=self._consumer,
+            sink=self._sink,
+            book=self._book,
+            context=self._context,
+            commits=self._commits,
+            counts=self._counts,
+            seen=self._seen,
+            clock=self._clock,
+            untrack=records_untracker(consumer_config or {}),
+            generation=self._rebalances.current,
+            group_id=group_id,
+            consumer_id=self.consumer_id,
+            max_batch=max_batch,
+            fetch_timeout_ms=self._fetch_timeout_ms,
+            # aiokafka's own bound on a fetch; the pipeline holds no more than that ahead.
+            fetch_max_bytes=int(
+                (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
+            ),
+            lease_ms=self._timeout_ms,
+            depth=pipeline_depth,
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -234,7 +255,7 @@ class KmqConsumer:
             await pool.finished()
         self._running = False
         try:
-            await self._release_prefetched()
+            await self._ranges.release_prefetched()
             await self._commits.finish()
             self._book.flush()
             self._book.close()
@@ -246,23 +267,6 @@ class KmqConsumer:
                 log.warning("stopping with markers not acknowledged: %s", exc)
         finally:
             await self._close_clients()
-
-    async def _release_prefetched(self) -> None:
-        """Stop the pipeline; give batches the app never saw back to the tracker.
-
-        Their STARTs are acknowledged, so they are covered; an EXTEND of 1 ms makes the
-        tracker redeliver them at once instead of at the end of their lease (what SQS does with
-        a visibility timeout of 0, share groups with RELEASE). Their offsets were not
-        committed (that happens at hand-over), so the group reads them again too: whichever
-        comes first, nothing waits for a lease. A batch whose STARTs are still on their way is
-        either covered or read again.
-        """
-        if self._pipeline is None:
-            return
-        for item in await self._pipeline.close():
-            prepared = PreparedBatch(item.plans, item.sent_at, self._timeout_ms, self.group_id)
-            for marker in prepared.extensions(1):
-                self._sink.send_later(marker)
 
     async def _close_clients(self) -> None:
         try:
@@ -299,8 +303,7 @@ class KmqConsumer:
         messages it covers; copies (settled per message) get their ACKs.
         """
         self._book.ack_all()
-        loose, self._loose = self._loose, []
-        for message in loose:
+        for message in self._ranges.take_loose():
             if message.settled is None:
                 await message.ack()
 
@@ -372,10 +375,11 @@ class KmqConsumer:
         # The pool keeps its own list of waiting messages (renewed): a few batches fetched
         # ahead are enough to hide the START round trips; more would be read twice after a
         # rebalance and given back on stop.
-        self._pipeline_depth = min(self._pipeline_depth, POOL_PIPELINE_DEPTH)
+        self._ranges.depth = min(self._ranges.depth, POOL_PIPELINE_DEPTH)
         if not self._timeout_ms:
             # The pool renews leases, so it must know them: ask for one explicitly.
             self._timeout_ms = round(DEFAULT_RUN_LEASE.total_seconds() * 1000)
+            self._ranges.lease_ms = self._timeout_ms
         settings = PoolSettings(
             concurrency=concurrency,
             ordering=order,
@@ -389,7 +393,7 @@ class KmqConsumer:
             take=self._take,
             sink=self._sink,
             consumer=self._consumer,
-            prefetched=lambda: [] if self._pipeline is None else self._pipeline.waiting(),
+            prefetched=self._ranges.waiting,
             group=self.group_id,
         )
         self._pool = pool = WorkerPool(source, caller, settings)
@@ -414,160 +418,8 @@ class KmqConsumer:
 
     async def _take(self, timeout_ms: int) -> TakenBatch | None:
         if self.marker_version == 2:
-            return await self._take_ranges(timeout_ms)
-        fetched: dict[Any, list[Any]] = await self._consumer.getmany(
-            timeout_ms=timeout_ms, max_records=self._max_batch
-        )
-        records = [record for batch in fetched.values() for record in batch]
-        if not records:
-            return None
-        planned = plan_batch(
-            records,
-            group=self.group_id,
-            consumer_id=self.consumer_id,
-            timeout_ms=self._timeout_ms,
-            now=self._clock.now(),
-            seen=self._seen,
-        )
-        markers = [p.marker for p in planned if p.marker is not None]
-        sent_at = time.monotonic()
-        try:
-            await self._sink.send_all(markers)
-        except MarkerWriteFailed:
-            self._rewind(fetched, _taken(planned))
-            raise
-        if not await self._commit(fetched, _taken(planned)):
-            return None
-        messages = self._hand_over(planned)
-        return TakenBatch(messages, [], messages, sent_at) if messages else None
-
-    async def _take_ranges(self, timeout_ms: int) -> TakenBatch | None:
-        """Hand over the next batch whose STARTs are acknowledged; commit it after that."""
-        if self._pipeline is None:
-            self._pipeline = StartPipeline(
-                fetch=self._fetch_batch,
-                plan=self._plan_ranges,
-                send=self._sink.send_all,
-                seek=self._seek_back,
-                depth=self._pipeline_depth,
-                ahead_s=prefetch_seconds(self._timeout_ms),
-                max_bytes=self._fetch_max_bytes,
-                weigh=value_bytes,
-                generation=self._rebalances.current,
-            )
-        item = await self._pipeline.next(timeout_ms / 1000)
-        if item is None:
-            return None
-        self._commits.soon(item.fetched)
-        self._book.flush()  # the acks of the batches before go out first
-        return self._hand_over_ranges(
-            PreparedBatch(item.plans, item.sent_at, self._timeout_ms, self.group_id)
-        )
-
-    async def _fetch_batch(self) -> dict[Any, list[Any]]:
-        fetched: dict[Any, list[Any]] = await self._consumer.getmany(
-            timeout_ms=self._fetch_timeout_ms, max_records=self._max_batch
-        )
-        if self._untrack is not None:  # held ahead of the app: out of the GC's sight
-            self._untrack(fetched)
-        return fetched
-
-    def _plan_ranges(
-        self, fetched: dict[Any, list[Any]]
-    ) -> tuple[list[RangePlan], list[AnyMarker]]:
-        now = self._clock.now()
-        plans = [
-            plan_ranges(
-                batch,
-                group=self.group_id,
-                consumer_id=self.consumer_id,
-                timeout_ms=self._timeout_ms,
-                now=now,
-                seen=self._seen,
-            )
-            for batch in fetched.values()
-            if batch
-        ]
-        markers: list[AnyMarker] = []
-        for plan in plans:
-            markers += [opened.start(self.consumer_id, self._timeout_ms) for opened in plan.ranges]
-            markers += plan.markers
-        return plans, markers
-
-    def _seek_back(self, first: dict[Any, int]) -> None:
-        """Read these partitions again from these offsets (the batches were not handed over).
-
-        Their copies are forgotten by the deduplication: read again, they are not duplicates.
-        """
-        assigned = self._consumer.assignment()
-        for tp, offset in first.items():
-            if tp in assigned:
-                self._consumer.seek(tp, offset)
-        if self._seen is not None:
-            self._seen.clear()
-
-    def _hand_over_ranges(self, prepared: PreparedBatch) -> TakenBatch | None:
-        at = prepared.at
-        if prepared.stale():
-            # It waited for the application longer than half its lease: renew the lease of
-            # what it holds before the tracker counts it as abandoned.
-            for marker in prepared.extensions(self._timeout_ms):
-                self._sink.send_later(marker)
-            at = time.monotonic()
-        ranges: list[OpenRange] = []
-        runs: list[Run] = []
-        book = self._book
-        for plan in prepared.plans:
-            self.deferred += plan.deferred
-            self.skipped += plan.skipped
-            for whole in plan.ranges:
-                book.add(whole)
-            ranges += plan.ranges
-            runs += plan.deliver
-        loose: list[KmqMessage] = []
-        messages = MessageBatch(runs, self._context, loose)
-        if loose:
-            self._loose = [m for m in self._loose if m.settled is None] + loose
-        return TakenBatch(messages, ranges, loose, at) if messages else None
-
-    def _hand_over(self, planned: list[Planned]) -> list[KmqMessage]:
-        messages: list[KmqMessage] = []
-        for p in planned:
-            if p.action is Action.DELIVER:
-                messages.append(KmqMessage(p.record, self._context, None, p.origin, p.attempt))
-            elif p.action is Action.DEFER:
-                self.deferred += 1
-            else:
-                self.skipped += 1
-                log.debug("skipped %s: %s", p.message, p.why)
-        return messages
-
-    async def _commit(
-        self, fetched: dict[Any, list[Any]], taken: list[tuple[MessageId, int]]
-    ) -> bool:
-        try:
-            await self._consumer.commit(offsets_past(fetched))
-        except KafkaError as exc:
-            # Typically a rebalance. The STARTs are written, so the tracker covers these
-            # messages; re-reading them (here or at the new owner) is the safe way on.
-            log.warning("offset commit failed (%r); the batch will be read again", exc)
-            self._rewind(fetched, taken)
-            return False
-        return True
-
-    def _rewind(self, fetched: dict[Any, list[Any]], taken: list[tuple[MessageId, int]]) -> None:
-        """Seek back to the first record of the batch on partitions we still own.
-
-        The copies of the batch are forgotten by the deduplication: read again, they are not
-        duplicates (skipping them would commit past copies nobody took).
-        """
-        if self._seen is not None:
-            for origin, attempt in taken:
-                self._seen.forget(origin, attempt)
-        assigned = self._consumer.assignment()
-        for tp, batch in fetched.items():
-            if batch and tp in assigned:
-                self._consumer.seek(tp, batch[0].offset)
+            return await self._ranges.take(timeout_ms)
+        return await self._per_message.take(timeout_ms, self._timeout_ms)
 
     async def batches(self) -> AsyncIterator[Sequence[KmqMessage]]:
         """Yield non-empty batches of messages until the consumer is stopped."""
@@ -583,10 +435,15 @@ class KmqConsumer:
 
     # -- introspection --------------------------------------------------------------------
 
+    @property
+    def skipped(self) -> int:
+        """Records skipped so far: other groups' copies, duplicates."""
+        return self._counts.skipped
+
+    @property
+    def deferred(self) -> int:
+        """Not-yet-due delayed records handed to the tracker so far."""
+        return self._counts.deferred
+
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
-
-
-def _taken(planned: list[Planned]) -> list[tuple[MessageId, int]]:
-    """The copies a batch takes (what the deduplication must forget if it is read again)."""
-    return [(p.origin, p.attempt) for p in planned if p.action is not Action.SKIP]
