@@ -22,7 +22,8 @@ from support.range_model import (
 )
 
 from tracker.domain.entries import State, entry_key, plan_due
-from tracker.domain.ranges import LaneMarker, LaneState, TrackedRange, expand, fold_lane
+from tracker.domain.ranges import LaneMarker, LaneState, expand, fold_lane
+from tracker.domain.tracked_range import TrackedRange
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
 from tracker.protocol_v2 import RangeMarker

@@ -12,7 +12,8 @@ from collections import Counter
 from collections.abc import Iterable
 
 from tracker.domain.entries import EntryKey
-from tracker.domain.ranges import LaneKey, lane_of, touched
+from tracker.domain.ranges import lane_of, touched
+from tracker.domain.tracked_range import LaneKey
 from tracker.protocol import AnyMarker, RangeMarker
 
 

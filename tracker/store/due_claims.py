@@ -15,7 +15,7 @@ from sqlalchemy import and_, delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
-from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 
 from .counts import CountChanges
 from .dialects import (

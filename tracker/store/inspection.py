@@ -16,7 +16,7 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import EntryKey, State
-from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .admin_reads import (

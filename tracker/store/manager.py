@@ -25,7 +25,7 @@ from sqlalchemy import delete, func, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
-from tracker.domain.ranges import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 
 from .dialects import keys_in, upsert_rows
 from .due_claims import DueClaims

@@ -23,15 +23,8 @@ from typing import Any
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.ranges import (
-    LaneKey,
-    LaneMarker,
-    RangeKey,
-    TrackedRange,
-    fold_lane_changes,
-    lane_of,
-    touched,
-)
+from tracker.domain.ranges import LaneMarker, fold_lane_changes, lane_of, touched
+from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
 from tracker.protocol import RangeMarker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 

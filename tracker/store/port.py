@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.ranges import TrackedRange
+from tracker.domain.tracked_range import TrackedRange
 from tracker.protocol import AnyMarker
 
 

@@ -17,7 +17,7 @@ from sqlalchemy import (
 )
 
 from tracker.domain.entries import Entry, State
-from tracker.domain.ranges import RANGE_COLUMN_NAMES, LaneKey
+from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, LaneKey
 from tracker.protocol_limits import MAX_OFFSET
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
