@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from .. import models
 from ..http_errors import ApiError
 from ..message_ids import format_message_id, parse_message_id
-from ..routes import messages, redrive
+from ..routes import message_actions, redrive
 from ..security import identify
 from .guard import ConsoleError, ConsoleRoute, Context, Session, actor, open_reads, safe_next
 from .render import render
@@ -123,16 +123,16 @@ async def act(
         "idempotency_key": idempotency_key,
     }
     if action == "redeliver":
-        await messages.redeliver(**common, body=body)  # type: ignore[arg-type]
+        await message_actions.redeliver(**common, body=body)  # type: ignore[arg-type]
     elif action == "ack":
-        await messages.ack(**common, body=body)  # type: ignore[arg-type]
+        await message_actions.ack(**common, body=body)  # type: ignore[arg-type]
     elif action == "dead_letter":
-        await messages.dead_letter(**common, body=body)  # type: ignore[arg-type]
+        await message_actions.dead_letter(**common, body=body)  # type: ignore[arg-type]
     else:
         if extend_minutes is None:
             raise ConsoleError(422, "say by how many minutes to extend the lease")
         extend = models.ExtendBody(by_ms=round(extend_minutes * 60_000), reason=reason)
-        await messages.extend(**common, body=extend)  # type: ignore[arg-type]
+        await message_actions.extend(**common, body=extend)  # type: ignore[arg-type]
     return _see(f"/console/messages/{quote(canonical, safe='/')}?done={action}")
 
 

@@ -1,28 +1,28 @@
-"""Tracked messages: listing with filters and cursor pagination, one message, actions."""
+"""Tracked messages: listing with filters and cursor pagination, and one message (GET).
+
+This is the ``/v1/messages`` resource's one router: it also carries the operator actions
+(:mod:`api.routes.message_actions`, included after the reads). What Kafka serves of a message
+(its payload and marker history) is read by :mod:`api.message_kafka_reads`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Path, Query, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import AwareDatetime
 
 from tracker.clock import to_millis
 from tracker.domain.actions import ActionKind as StoreAction
-from tracker.domain.actions import ActionOutcome, ActionRequest
-from tracker.domain.entries import EntryKey, State
-from tracker.ids import MessageId
-from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
-from tracker.partitioning import markers_partition
-from tracker.store.admin_reads import EntryView
+from tracker.domain.actions import ActionOutcome
+from tracker.domain.entries import State
 from tracker.store.inspection import EntryFilter, EntryOrder
-from tracker.store.store_errors import IdempotencyConflict
 
-from ..context import ApiContext, not_served
-from ..deps import Admin, Context, Cursor, IdempotencyKey, Limit, Reader
+from ..context import ApiContext
+from ..deps import Context, Cursor, Limit, Reader
 from ..http_errors import ApiError
-from ..marker_tail import MarkerTail
+from ..message_id_param import MessageIdPath
 from ..message_ids import (
     decode_cursor,
     encode_cursor,
@@ -30,21 +30,15 @@ from ..message_ids import (
     format_message_id,
     parse_message_id,
 )
+from ..message_kafka_reads import fetch_history, fetch_preview, not_asked
 from ..models import (
     TEXT_PATTERN,
     TOPIC_PATTERN,
-    ActionBody,
-    ActionResponse,
-    ExtendBody,
-    MarkerHistory,
     MessageDetail,
     MessagePage,
     MessageState,
     MessageStatus,
-    PayloadPreview,
 )
-from ..previews import marker_history, payload_preview
-from ..security import Principal
 from ..views import (
     action_view,
     dead_letter_view,
@@ -53,18 +47,9 @@ from ..views import (
     message_summary_data,
     position,
 )
-from . import READ_ERRORS, WRITE_ERRORS, errors
+from . import READ_ERRORS, errors, message_actions
 
 router = APIRouter(prefix="/v1/messages", tags=["messages"])
-
-MessageIdPath = Annotated[
-    str,
-    Path(
-        description="`<group>/<topic>/<partition>/<offset>` of the origin, as is or "
-        "percent-encoded.",
-        examples=["billing/orders/3/42"],
-    ),
-]
 
 
 def _cursor_shape(order: EntryOrder) -> tuple[type[int] | type[str], ...]:
@@ -167,75 +152,6 @@ async def find_messages(
     return MessagePage.model_validate(page)
 
 
-async def _preview(
-    context: ApiContext,
-    view: EntryView | None,
-    dead: list[dict[str, Any]],
-    cap: int,
-    deadline: float,
-) -> tuple[PayloadPreview | None, str | None]:
-    """The current copy's payload (or the store's copy), else the latest DLQ record's.
-
-    Kafka is read within ``deadline`` (see :class:`~api.context.KafkaReads`); past it, the
-    preview is missing and the error says so.
-    """
-    if view is not None:
-        e = view.entry
-        if view.payload_stored:
-            stored = await context.queries.stored_payload(e.key)
-            if stored is not None:
-                record = OriginalRecord(
-                    stored.key, stored.value, stored.headers, stored.timestamp_ms
-                )
-                where = position(e.copy_topic, e.copy_partition, e.copy_offset)
-                return payload_preview(where, record, cap, source="store"), None
-        target = MessageId(e.copy_topic, e.copy_partition, e.copy_offset)
-    elif dead:
-        row = dead[-1]
-        target = MessageId(row["dlq_topic"], row["dlq_partition"], row["dlq_offset"])
-    else:
-        return None, "no record to show"
-    try:
-        result = await context.reads.fetch(target, deadline)
-    except OriginalsUnavailable as exc:
-        return None, not_served(exc)
-    if isinstance(result, OriginalRecord):
-        return payload_preview(position(*target), result, cap), None
-    if isinstance(result, Missing):
-        return None, f"record {target} is gone: {result.reason}"
-    return None, f"record {target} could not be read"
-
-
-async def _not_asked() -> tuple[None, None]:
-    """A Kafka read the request did not ask for: nothing, and no error."""
-    return None, None
-
-
-async def _history(
-    context: ApiContext, tail: MarkerTail, key: EntryKey, view: EntryView | None, deadline: float
-) -> tuple[MarkerHistory | None, str | None]:
-    """The message's marker history, read within ``deadline``; else why not."""
-    settings = context.settings
-    scanner = context.reads.scanner
-    # Known from the entry, or computed (from the partition count) like a writer does.
-    known = view.entry.markers_partition if view is not None else None
-
-    async def read() -> MarkerHistory:
-        partition = known
-        if partition is None:
-            topic = settings.markers_topic
-            total = (await scanner.partition_counts([topic])).get(topic)
-            if not total:
-                raise OriginalsUnavailable(f"the markers topic {topic!r} does not exist")
-            partition = markers_partition(key[1], key[2], total)
-        return await marker_history(tail, partition, key)
-
-    try:
-        return await context.reads.history.run(key, read, deadline), None
-    except OriginalsUnavailable as exc:
-        return None, f"marker history unavailable: {exc}"
-
-
 @router.get(
     "/{message_id:path}",
     response_model=MessageDetail,
@@ -287,12 +203,12 @@ async def get_message(
     cap = settings.api_payload_preview_bytes if preview_bytes is None else preview_bytes
     # One deadline for both reads, run side by side: the request waits for Kafka once.
     deadline = context.reads.deadline()
-    previewing = _preview(context, view, dead, cap, deadline) if payload else _not_asked()
+    previewing = fetch_preview(context, view, dead, cap, deadline) if payload else not_asked()
     tail = context.reads.marker_tail  # None: api_marker_history_scan is 0
     searching = (
-        _history(context, tail, key, view, deadline)
+        fetch_history(context, tail, key, view, deadline)
         if markers and tail is not None
-        else _not_asked()
+        else not_asked()
     )
     (preview, preview_error), (history, history_error) = await asyncio.gather(previewing, searching)
     return MessageDetail(
@@ -310,152 +226,6 @@ async def get_message(
     )
 
 
-async def _act(
-    *,
-    context: ApiContext,
-    principal: Principal,
-    message_id: str,
-    action: StoreAction,
-    body: ActionBody | None,
-    idempotency_key: str | None,
-    extend_ms: int | None = None,
-) -> ActionResponse:
-    key = parse_message_id(message_id)
-    request = ActionRequest(
-        key=key,
-        action=action,
-        actor=principal.name,
-        reason=body.reason if body is not None else "",
-        extend_ms=extend_ms,
-        idempotency_key=idempotency_key,
-    )
-    try:
-        record = await context.actions.apply_action(request, context.now_ms())
-    except IdempotencyConflict as exc:
-        raise ApiError(409, str(exc), error="idempotency_conflict") from None
-    if not record.replayed:
-        context.metrics.api_actions.labels(action.value, record.outcome.value).inc()
-    if record.outcome is ActionOutcome.NOT_FOUND:
-        raise ApiError(404, f"message {format_message_id(key)}: {record.detail}")
-    if record.outcome is ActionOutcome.CONFLICT:
-        raise ApiError(
-            409,
-            f"cannot {action.value.replace('_', '-')} {format_message_id(key)}: {record.detail}",
-        )
-    if (
-        record.outcome is ActionOutcome.APPLIED
-        and record.due_at_ms is not None
-        and not record.replayed
-    ):
-        context.wake_redelivery(record.due_at_ms)
-    view = await context.queries.get_entry(key)
-    return ActionResponse(
-        action=action_view(record),
-        message=message_summary(view, context.now_ms()) if view is not None else None,
-        replayed=record.replayed,
-    )
-
-
-ACTION_ERRORS = errors(*WRITE_ERRORS, 404, 409)
-OptionalBody = Annotated[ActionBody | None, Body()]
-
-
-@router.post(
-    "/{message_id:path}/redeliver",
-    response_model=ActionResponse,
-    summary="Redeliver now",
-    responses=ACTION_ERRORS,
-)
-async def redeliver(
-    message_id: MessageIdPath,
-    context: Context,
-    principal: Admin,
-    idempotency_key: IdempotencyKey = None,
-    body: OptionalBody = None,
-) -> ActionResponse:
-    """Make an in-flight or delayed message due now: the tracker republishes it at once (as
-    the next attempt, or to the DLQ if that was its last). 409 for a rejected or lost one.
-    Repeating it on a message that is already due changes nothing (``unchanged``)."""
-    return await _act(
-        context=context,
-        principal=principal,
-        message_id=message_id,
-        action=StoreAction.REDELIVER,
-        body=body,
-        idempotency_key=idempotency_key,
-    )
-
-
-@router.post(
-    "/{message_id:path}/ack",
-    response_model=ActionResponse,
-    summary="Acknowledge (cancel)",
-    responses=ACTION_ERRORS,
-)
-async def ack(
-    message_id: MessageIdPath,
-    context: Context,
-    principal: Admin,
-    idempotency_key: IdempotencyKey = None,
-    body: OptionalBody = None,
-) -> ActionResponse:
-    """Stop tracking the message, as if its consumer had acknowledged it: it will not be
-    redelivered or dead-lettered. Acking it again answers 200 with ``unchanged``."""
-    return await _act(
-        context=context,
-        principal=principal,
-        message_id=message_id,
-        action=StoreAction.ACK,
-        body=body,
-        idempotency_key=idempotency_key,
-    )
-
-
-@router.post(
-    "/{message_id:path}/extend",
-    response_model=ActionResponse,
-    summary="Extend the processing lease",
-    responses=ACTION_ERRORS,
-)
-async def extend(
-    message_id: MessageIdPath,
-    context: Context,
-    principal: Admin,
-    body: Annotated[ExtendBody, Body()],
-    idempotency_key: IdempotencyKey = None,
-) -> ActionResponse:
-    """Set an in-flight message's deadline to now + ``by_ms``. 409 for other states."""
-    return await _act(
-        context=context,
-        principal=principal,
-        message_id=message_id,
-        action=StoreAction.EXTEND,
-        body=body,
-        idempotency_key=idempotency_key,
-        extend_ms=body.by_ms,
-    )
-
-
-@router.post(
-    "/{message_id:path}/dead-letter",
-    response_model=ActionResponse,
-    summary="Dead-letter now",
-    responses=ACTION_ERRORS,
-)
-async def dead_letter(
-    message_id: MessageIdPath,
-    context: Context,
-    principal: Admin,
-    idempotency_key: IdempotencyKey = None,
-    body: OptionalBody = None,
-) -> ActionResponse:
-    """Send the message to its DLQ now, with the reason ``dead-lettered by <who>: <why>``.
-    409 for a lost message; ``unchanged`` if it is already being dead-lettered."""
-    return await _act(
-        context=context,
-        principal=principal,
-        message_id=message_id,
-        action=StoreAction.DEAD_LETTER,
-        body=body,
-        idempotency_key=idempotency_key,
-    )
+# The operator actions (POST), after the reads: the same routes, in the same order, as when
+# they were defined here.
+router.include_router(message_actions.router)
