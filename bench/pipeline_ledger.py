@@ -115,7 +115,7 @@ def _timed(action: Callable[[], Any]) -> tuple[float, Any]:
 def bench_memory(spark: Any, markers: int, workdir: Path) -> dict[str, Any]:
     from pyspark.sql import functions as F  # noqa: PLC0415
 
-    from pipeline.decode import decode_markers_frame  # noqa: PLC0415
+    from pipeline.connector_frames import decode_markers_frame  # noqa: PLC0415
     from pipeline.ledger_fold import LedgerParams, build_ledger  # noqa: PLC0415
 
     raw_path = str(workdir / "raw")

@@ -47,8 +47,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from pipeline.decode import arrow_schema
 from pipeline.offsets import existing_topics, resolve_ranges
+from pipeline.record_schemas import arrow_schema
 from pipeline.source import DEFAULT_CHUNK, read_kafka
 from tracker.headers import REDRIVE_RUN, REDRIVE_SOURCE, redrive_headers
 from tracker.ratelimit import TokenBucket

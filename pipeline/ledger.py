@@ -37,7 +37,6 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from pipeline.decode import spark_schema
 from pipeline.ledger_fold import (
     FINAL_STATES,
     KEY,
@@ -54,6 +53,7 @@ from pipeline.offsets import (
     existing_topics,
     resolve_ranges,
 )
+from pipeline.record_schemas import spark_schema
 from pipeline.source import DEFAULT_CHUNK, read_kafka
 
 LEDGER_DIR = "ledger"

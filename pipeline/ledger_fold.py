@@ -37,7 +37,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from pipeline.decode import spark_schema
+from pipeline.record_schemas import spark_schema
 from tracker.clock import to_millis
 
 #: The key of a logical message in marker / DLQ columns.

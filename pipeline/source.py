@@ -9,7 +9,8 @@ fetch; so the default reader is built on Spark's Python Data Source API (``pyspa
   in parallel and no offset is in two slices;
 * :meth:`KafkaReader.read` runs on an executor: a group-less aiokafka consumer is assigned the
   slice's partition, seeks to its start and reads to its end, and the records become Arrow
-  batches (:mod:`pipeline.decode`) that Spark takes without per-row conversion.
+  batches (:mod:`pipeline.marker_batches`, :mod:`pipeline.record_batches`) that Spark takes
+  without per-row conversion.
 
 Where a cluster does have the connector (``spark-sql-kafka``), :func:`read_kafka` with
 ``source="spark"`` uses it for the same ranges and only the decoding runs in Python.
@@ -25,15 +26,8 @@ import json
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from pipeline.decode import (
-    arrow_schema,
-    decode_dlq_frame,
-    decode_markers_frame,
-    dlq_batch,
-    markers_batch,
-    raw_batch,
-    spark_schema,
-)
+from pipeline.connector_frames import decode_dlq_frame, decode_markers_frame
+from pipeline.marker_batches import markers_batch
 from pipeline.offsets import (
     Bound,
     OffsetRange,
@@ -44,6 +38,8 @@ from pipeline.offsets import (
     resolve_ranges,
     split_ranges,
 )
+from pipeline.record_batches import dlq_batch, raw_batch
+from pipeline.record_schemas import arrow_schema, spark_schema
 
 if TYPE_CHECKING:
     import pyarrow as pa  # type: ignore[import-untyped]

@@ -526,7 +526,7 @@ failed:
  * makes it (a START / ACK / EXTEND of attempt 1 with the range's lease and consumer), so a
  * reader that works per message (the Spark ledger) sees v1 and v2 traffic alike; None stays
  * one row with every field null. The buffers are laid out as Arrow wants them (little-endian
- * values, LSB-first validity bits, int32 string offsets), so pipeline/decode.py wraps them in
+ * values, LSB-first validity bits, int32 string offsets), so pipeline/marker_batches.py wraps them in
  * Arrow arrays without a Python object per row. Returned tuple:
  *   (rows, index, validity, kind, partition, offset, attempt, origin_partition,
  *    origin_offset, timeout_ms, delay_ms, policy_delay, deferred,
@@ -839,7 +839,7 @@ static PyMethodDef methods[] = {
     {"decode_many", decode_many, METH_O,
      "decode_many(values) -> (markers, [(index, message), ...]) (see tracker.protocol.decode_batch)."},
     {"marker_columns", marker_columns, METH_O,
-     "marker_columns(markers) -> column buffers, one row per message (see pipeline.decode)."},
+     "marker_columns(markers) -> column buffers, one row per message (see pipeline.marker_batches)."},
     {"untrack_list", untrack_list, METH_O,
      "untrack_list(items): take a list and its items out of the cyclic GC (see tracker.client.gc_untrack)."},
     {"configure", configure, METH_VARARGS,

@@ -131,8 +131,8 @@ _c_decode_many: Callable[[list[bytes | None]], tuple[list[AnyMarker | None], lis
 _c_decode_many = None if _speedups_module is None else _speedups_module.decode_many  # type: ignore[assignment]
 #: Whether the C decoder is in use.
 SPEEDUPS = _c_decode is not None
-#: The C column builder (``pipeline.decode`` turns decoded markers into Arrow buffers with it),
-#: or None without the C decoder.
+#: The C column builder (``pipeline.marker_batches`` turns decoded markers into Arrow buffers
+#: with it), or None without the C decoder.
 c_marker_columns: Callable[[list[AnyMarker | None]], tuple[Any, ...]] | None = (
     None if _speedups_module is None else getattr(_speedups_module, "marker_columns", None)
 )  # getattr: a module built before marker_columns existed still decodes

@@ -19,8 +19,9 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pytest
 from pyspark.sql import SparkSession
 
-from pipeline.decode import arrow_schema, markers_batch, spark_schema
 from pipeline.ledger_fold import LedgerParams, build_ledger
+from pipeline.marker_batches import markers_batch
+from pipeline.record_schemas import arrow_schema, spark_schema
 from tracker.domain.entries import Entry, State
 from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId

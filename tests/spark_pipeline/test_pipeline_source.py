@@ -12,7 +12,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from pyspark.sql import DataFrame, SparkSession
 
-from pipeline.decode import decode_dlq_frame, decode_markers_frame
+from pipeline.connector_frames import decode_dlq_frame, decode_markers_frame
 from pipeline.offsets import Bound, resolve_ranges, split_ranges
 from pipeline.source import read_kafka
 from tracker.ids import MessageId

@@ -16,15 +16,10 @@ from support.marker_strategies import markers, range_markers
 from pipeline.bulk_redrive import BURST_SECONDS
 from pipeline.charts import bar_chart, hbar_chart, line_chart, nice_max
 from pipeline.commands import build_parser, duration_ms, timestamp
-from pipeline.decode import (
-    _c_markers_batch,
-    _py_markers_batch,
-    arrow_schema,
-    markers_batch,
-    parse_dlq_headers,
-    spark_schema,
-)
+from pipeline.marker_batches import _c_markers_batch, _py_markers_batch, markers_batch
 from pipeline.offsets import Bound, OffsetRange, OffsetsError, split_ranges
+from pipeline.record_batches import parse_dlq_headers
+from pipeline.record_schemas import arrow_schema, spark_schema
 from pipeline.report import choose_bucket
 from tracker.headers import REDRIVE_RUN, REDRIVE_SOURCE, redrive_headers
 from tracker.ids import MessageId

@@ -35,19 +35,17 @@ import collections
 import contextlib
 import contextvars
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 
 from tracker.errors import KmqError, MarkerWriteFailed
-from tracker.protocol import AnyMarker
 
 from .handlers import HandlerCaller, HandlerReturnedAwaitable, RejectMessage, RetryMessage
-from .message import KmqMessage, extensions, releases
+from .message import KmqMessage
 from .message_batch import each_once
-from .open_ranges import OpenRange
 from .ordering import Lanes, lane_function
 from .pool_config import PoolSettings, WorkerStats
+from .pool_leases import BatchLease, PoolJob, PoolLeases
 from .pool_source import BatchSource, TakenBatch
 
 log = logging.getLogger(__name__)
@@ -67,26 +65,6 @@ TAKE_WAIT_S = 0.2
 RETRY_PAUSE_S = 0.5
 
 
-@dataclass(slots=True, eq=False)
-class _Lease:
-    """The lease of one taken batch: renewed together, forgotten when all its jobs are done."""
-
-    ranges: list[OpenRange]
-    loose: list[KmqMessage]
-    renewed_at: float
-    left: int  #: its messages the pool has not finished with
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    message: KmqMessage
-    lease: _Lease
-    started: float = 0.0  #: when its handler started (the loop's clock)
-    #: why the pool cancelled its handler: "timeout" (max_processing) or "stop" (drain over)
-    cancelled_for: str | None = None
-    released: bool = False  #: given back to the tracker
-
-
 class WorkerPool:
     """Runs a handler on up to ``concurrency`` messages at once (see the module docstring)."""
 
@@ -95,19 +73,19 @@ class WorkerPool:
         self._caller = caller
         self._settings = settings
         lane = lane_function(settings.ordering)
-        self._lanes: Lanes[_Job] = Lanes(lambda job: lane(job.message))
+        self._lanes: Lanes[PoolJob] = Lanes(lambda job: lane(job.message))
         #: worker task -> the job it runs (absent: the worker waits for one)
-        self._running: dict[asyncio.Task[None], _Job] = {}
+        self._running: dict[asyncio.Task[None], PoolJob] = {}
         self._workers: list[asyncio.Task[None]] = []
         #: idle workers, each waiting on its future for the next job (None: exit)
-        self._idle: collections.deque[asyncio.Future[_Job | None]] = collections.deque()
-        self._leases: list[_Lease] = []
+        self._idle: collections.deque[asyncio.Future[PoolJob | None]] = collections.deque()
         self._wake = asyncio.Event()  #: a job finished, or a stop was asked for
         self._stop = False
         self._dispatching = True
         self._fatal: BaseException | None = None
         self._finished = asyncio.Event()
         self.stats = WorkerStats()
+        self._leases = PoolLeases(source, settings, self.stats)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -116,7 +94,7 @@ class WorkerPool:
         handler's ``BaseException`` (re-raised here after the drain)."""
         loop = asyncio.get_running_loop()
         side_tasks = [
-            loop.create_task(self._renew(), name="kmq-lease-renewal"),
+            loop.create_task(self._leases.renew(), name="kmq-lease-renewal"),
             loop.create_task(self._watch_deadlines(), name="kmq-handler-deadlines"),
         ]
         context = contextvars.copy_context()
@@ -136,7 +114,9 @@ class WorkerPool:
             finally:
                 try:
                     self._dispatching = False
-                    self._release(self._lanes.remove(lambda job: True))  # if the drain was cut
+                    self._leases.release(
+                        self._lanes.remove(lambda job: True)
+                    )  # if the drain was cut
                     tasks = side_tasks + self._workers
                     for task in tasks:
                         task.cancel()
@@ -169,7 +149,9 @@ class WorkerPool:
             if batch is None:
                 continue
             if self._stop:
-                self._release([_Job(m, _Lease([], [], 0, 0)) for m in each_once(batch.messages)])
+                self._leases.release(
+                    [PoolJob(m, BatchLease([], [], 0, 0)) for m in each_once(batch.messages)]
+                )
             else:
                 self._add(batch)
 
@@ -202,11 +184,10 @@ class WorkerPool:
         await self._finished.wait()
 
     def _add(self, batch: TakenBatch) -> None:
-        lease = _Lease(batch.ranges, batch.loose, batch.at, len(batch.messages))
-        self._leases.append(lease)
+        lease = self._leases.add(batch)
         add = self._lanes.add
         for message in each_once(batch.messages):
-            add(_Job(message, lease))
+            add(PoolJob(message, lease))
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -222,7 +203,7 @@ class WorkerPool:
                 return
             waiter.set_result(job)
 
-    def _start(self, task: asyncio.Task[None], job: _Job) -> None:
+    def _start(self, task: asyncio.Task[None], job: PoolJob) -> None:
         job.started = asyncio.get_running_loop().time()
         running = self._running
         running[task] = job
@@ -245,14 +226,14 @@ class WorkerPool:
         while self._dispatching:
             job = lanes.pop_ready()
             if job is None:
-                waiter: asyncio.Future[_Job | None] = loop.create_future()
+                waiter: asyncio.Future[PoolJob | None] = loop.create_future()
                 self._idle.append(waiter)
                 try:
                     job = await waiter
                 except asyncio.CancelledError:
                     if not waiter.cancelled() and (handed := waiter.result()) is not None:
                         # Handed a job as it was cancelled (the pool is going away).
-                        self._release([handed])
+                        self._leases.release([handed])
                         self._finish(handed)
                     raise
                 if job is None:
@@ -264,7 +245,7 @@ class WorkerPool:
                 del self._running[task]
                 self._finish(job)
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: PoolJob) -> None:
         job.lease.left -= 1
         self._lanes.done(job)
         self._dispatch()  # the lane's next job may be ready for an idle worker
@@ -272,7 +253,7 @@ class WorkerPool:
 
     # -- one message ----------------------------------------------------------------------
 
-    async def _work(self, job: _Job, task: asyncio.Task[None]) -> None:
+    async def _work(self, job: PoolJob, task: asyncio.Task[None]) -> None:
         """Run the handler; settle the message as its outcome says.
 
         The pool cancels a handler for two reasons, kept in ``job.cancelled_for``: "timeout"
@@ -295,7 +276,7 @@ class WorkerPool:
             # the pool, and let run() raise it.
             self._stop_with(error, job)
         elif why == "stop":
-            self._release([job])
+            self._leases.release([job])
             if isinstance(error, asyncio.CancelledError):
                 raise error
         elif why == "timeout":
@@ -315,7 +296,7 @@ class WorkerPool:
             self._stop_with(error, job)  # a programming error: every message would fail
         elif isinstance(error, asyncio.CancelledError):
             if self._stop and task.cancelling():  # the pool is going away
-                self._release([job])
+                self._leases.release([job])
                 raise error
             # Not by the pool: the handler's own business, a failure.
             await self._failed(message, RuntimeError("the handler was cancelled"))
@@ -339,8 +320,8 @@ class WorkerPool:
                     job.cancelled_for = "timeout"
                     task.cancel()
 
-    def _stop_with(self, exc: BaseException, job: _Job) -> None:
-        self._release([job])
+    def _stop_with(self, exc: BaseException, job: PoolJob) -> None:
+        self._leases.release([job])
         if self._fatal is None:
             self._fatal = exc
         self.request_stop()
@@ -379,53 +360,6 @@ class WorkerPool:
         except KmqError:  # e.g. a marker the sink refused: the lease still covers it
             log.exception("could not settle %s; the tracker will redeliver it", message.id)
 
-    # -- leases ---------------------------------------------------------------------------
-
-    async def _renew(self) -> None:
-        """Every sixth of the lease, renew the batches whose lease is a third gone or more.
-
-        So a renewal is written when between a half and two thirds of the lease is left: room
-        for a late timer on a busy loop, the round trip and the tracker's ingest, before the
-        tracker would count the message as abandoned.
-        """
-        s = self._settings
-        lease_s = s.lease_ms / 1000
-        while True:
-            await asyncio.sleep(lease_s / 6)
-            now = s.clock()
-            live = [lease for lease in self._leases if lease.left > 0]
-            self._leases = live
-            markers: list[AnyMarker] = []
-            for lease in live:
-                if now - lease.renewed_at >= lease_s / 3:
-                    lease.renewed_at = now
-                    markers += extensions(lease.ranges, lease.loose, s.lease_ms)
-            # And the batches fetched ahead, STARTed, not taken yet: their leases run too.
-            markers += self._source.prefetched_extensions(s.lease_ms, lease_s / 3)
-            if not markers:
-                continue
-            try:
-                await self._source.send_all(markers)
-            except MarkerWriteFailed as exc:
-                log.warning("lease renewal not acknowledged (%s); will try again", exc)
-                for lease in live:
-                    lease.renewed_at = min(lease.renewed_at, now - lease_s / 3)
-            else:
-                self.stats.renewals += len(markers)
-
-    def _release(self, jobs: Iterable[_Job]) -> None:
-        """Give unsettled messages back to the tracker; their leases are no longer renewed."""
-        jobs = [job for job in jobs if not job.released]
-        for job in jobs:
-            job.released = True
-            message = job.message
-            if message.settled is None:
-                self.stats.released += 1
-                if message in job.lease.loose:  # a range's offsets are marked in the range
-                    job.lease.loose.remove(message)
-        for marker in releases(job.message for job in jobs):
-            self._source.send_later(marker)
-
     # -- draining -------------------------------------------------------------------------
 
     async def drain_partitions(self, partitions: set[tuple[str, int]], timeout_s: float) -> None:
@@ -433,14 +367,14 @@ class WorkerPool:
         messages too) within ``timeout_s``, give back what is left. Handlers still running
         then run on."""
 
-        def revoked(job: _Job) -> bool:
+        def revoked(job: PoolJob) -> bool:
             message = job.message
             return (message.topic, message.partition) in partitions
 
         await self._drain(revoked, timeout_s, abandon=False)
 
     async def _drain(
-        self, matches: Callable[[_Job], bool], timeout_s: float, *, abandon: bool
+        self, matches: Callable[[PoolJob], bool], timeout_s: float, *, abandon: bool
     ) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -458,7 +392,7 @@ class WorkerPool:
         given_back = self._lanes.remove(matches)
         if given_back:
             log.info("gave %d waiting messages back to the tracker", len(given_back))
-            self._release(given_back)
+            self._leases.release(given_back)
             for job in given_back:
                 job.lease.left -= 1
         if not abandon:
@@ -480,7 +414,7 @@ class WorkerPool:
                 task.cancel()
             _, stuck = await asyncio.wait(tasks, timeout=ABANDON_WAIT_S)
             if stuck:
-                self._release(self._running[task] for task in stuck if task in self._running)
+                self._leases.release(self._running[task] for task in stuck if task in self._running)
                 log.error(
                     "%d handlers ignored their cancellation; left running (their messages "
                     "were given back)",
