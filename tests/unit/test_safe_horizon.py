@@ -19,7 +19,8 @@ from aiokafka import TopicPartition
 from support.engine_parts import RecordingListener
 
 from tracker.clock import ManualClock, to_millis
-from tracker.engine.ingest import MarkerIngest, _Partition
+from tracker.engine.ingest import MarkerIngest
+from tracker.engine.partition_reading import PartitionReading
 from tracker.metrics import Metrics
 
 pytestmark = pytest.mark.unit
@@ -73,7 +74,7 @@ def ingest_over(
         listener=listener,
     )
     for p in partitions:
-        ingest._owned[p] = _Partition(epoch=1, applied_next=0)
+        ingest._owned[p] = PartitionReading(epoch=1, applied_next=0)
     return ingest
 
 

@@ -17,8 +17,9 @@ import pytest
 
 import tracker.engine.marker_verdicts as verdicts_module
 from tracker.clock import ManualClock
-from tracker.engine.ingest import MarkerIngest, _Partition
+from tracker.engine.ingest import MarkerIngest
 from tracker.engine.marker_verdicts import WRONG_PARTITION
+from tracker.engine.partition_reading import PartitionReading
 from tracker.ids import MessageId
 from tracker.metrics import Metrics
 from tracker.partitioning import markers_partition
@@ -95,7 +96,7 @@ async def sort(
 ) -> tuple[list[Marker], list[tuple[str, str, int]]]:
     """``(markers accepted, (category, reason, offset) of each refused record)``."""
     records = [Record(partition, offset, value) for offset, value in enumerate(values)]
-    out = await ingest._sort(partition, _Partition(epoch=1), records)
+    out = await ingest._sort(partition, PartitionReading(epoch=1), records)
     accepted = [pending.marker for _, pending in out.accepted if isinstance(pending.marker, Marker)]
     rejected = [(r.category, r.reason, r.record.offset) for r in out.rejected]
     return accepted, rejected

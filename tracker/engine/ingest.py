@@ -9,6 +9,12 @@ crash or a rebalance (it seeks there on assignment), so markers are applied exac
 store. Markers still waiting in the coalescing window are not applied and not counted as
 applied: after a crash they are simply read again. Kafka offsets are committed too, after each
 flush and only up to the applied position, so that consumer-lag monitoring works as usual.
+
+This module is the loop: when to claim, fetch, park and flush, under one lock shared with the
+rebalance callbacks. What each step does is in its own module: which partitions are owned
+(``markers_ownership``), what is read of each (``partition_reading``), what is refused
+(``marker_verdicts``), what a flush applies and commits (``marker_flush``), how far reading
+has caught up (``fetch_responses``), whether the store and the broker answer (``ingest_health``).
 """
 
 from __future__ import annotations
@@ -17,58 +23,34 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
-from aiokafka.structs import OffsetAndMetadata
 
-from tracker.clock import Clock, to_millis
+from tracker.clock import Clock
 from tracker.domain.entries import EntryKey
 from tracker.domain.policy import PolicyLookup
 from tracker.engine.coalescing_index import CoalescingIndex
-from tracker.engine.fetch_responses import BROKER_SILENCE_MS, MAX_ENDS, FetchResponses
+from tracker.engine.fetch_responses import BROKER_SILENCE_MS, FetchResponses
+from tracker.engine.ingest_health import IngestHealth
+from tracker.engine.marker_flush import MarkerFlush
 from tracker.engine.marker_verdicts import MarkerCheck, MarkerSorter
+from tracker.engine.markers_ownership import MarkersOwnership
 from tracker.engine.parking import InvalidMarkerParker, Rejected
+from tracker.engine.partition_reading import PartitionReading, SortedRecords
 from tracker.engine.signals import IngestListener, NoListener
 from tracker.metrics import Metrics
 from tracker.store import Fenced, StoreUnavailable
-from tracker.store.port import PartitionProgress, PendingMarker, TrackerStore
+from tracker.store.port import TrackerStore
 
 log = logging.getLogger(__name__)
 
 #: Longest time between two flushes of what left the coalescing window (``poll_once``).
 FLUSH_INTERVAL = 0.2
-
-
-@dataclass(slots=True)
-class _Partition:
-    """What a replica knows about one markers partition it owns."""
-
-    epoch: int
-    pending: deque[tuple[float, PendingMarker]] = field(default_factory=deque)
-    seen_next: int | None = None  #: offset after the last record read
-    applied_next: int | None = None  #: offset recorded in the store by the last flush
-    #: tracker-clock time at which we had read everything the broker had (None: not yet)
-    caught_up_ms: int | None = None
-    #: (high watermark, wall-clock ms of the fetch response that reported it), oldest first:
-    #: the broker's end at moments we have not read up to yet
-    ends: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_ENDS))
-
-
-@dataclass(frozen=True, slots=True)
-class _Sorted:
-    """One partition's fetched records, sorted into markers to apply and records to refuse."""
-
-    partition: int
-    state: _Partition
-    records: list[Any]
-    accepted: list[tuple[float, PendingMarker]]
-    rejected: list[Rejected]
 
 
 class MarkerIngest:
@@ -94,12 +76,8 @@ class MarkerIngest:
         poll_wait: float = 0.2,
     ) -> None:
         self._consumer = consumer
-        self._store = store
         self._parker = parker
         self._topic = markers_topic
-        self._replica = replica_id
-        self._policy_for = policy_for
-        self._clock = clock
         self._metrics = metrics
         self._window = coalesce_window
         self._grace_ms = ack_grace_ms
@@ -121,21 +99,58 @@ class MarkerIngest:
             consumer=consumer, markers_topic=markers_topic, clock=clock, metrics=metrics
         )
         self._listener: IngestListener = listener or NoListener()
-        self._owned: dict[int, _Partition] = {}
-        self._unclaimed: set[int] = set()  #: assigned, but the store could not be reached
+        self._health = IngestHealth(metrics)
+        self._ownership = MarkersOwnership(
+            consumer=consumer,
+            store=store,
+            markers_topic=markers_topic,
+            replica_id=replica_id,
+            clock=clock,
+            metrics=metrics,
+            waiting=self._waiting,
+            listener=self._listener,
+            health=self._health,
+        )
+        self._owned: dict[int, PartitionReading] = self._ownership.owned  #: the same dict
+        self._flusher = MarkerFlush(
+            consumer=consumer,
+            store=store,
+            parker=parker,
+            markers_topic=markers_topic,
+            policy_for=policy_for,
+            clock=clock,
+            metrics=metrics,
+            coalesce_window=coalesce_window,
+            waiting=self._waiting,
+            ownership=self._ownership,
+            listener=self._listener,
+            health=self._health,
+        )
         self._lock = asyncio.Lock()  #: serializes polls with rebalance callbacks
         #: the flush running while the loop fetches and decodes the next markers (one at a
         #: time: a flush must see what the one before it wrote)
         self._flushing: asyncio.Task[None] | None = None
-        self.store_ok = True
-        self.broker_ok = False
-        self._broker_lost_at: float | None = None  #: monotonic time the broker went quiet
-        self.last_error: str | None = None
+
+    # -- health (readiness asks these) ---------------------------------------------------
+
+    @property
+    def store_ok(self) -> bool:
+        """Whether the store answered the last claim or flush."""
+        return self._health.store_ok
+
+    @property
+    def broker_ok(self) -> bool:
+        """Whether the broker answered, as the loop last saw it (see ``broker_answering``)."""
+        return self._health.broker_ok
+
+    @property
+    def last_error(self) -> str | None:
+        return self._health.last_error
 
     # -- ownership (called by the rebalance listener) ----------------------------------
 
     def owned_epochs(self) -> dict[int, int]:
-        return {p: state.epoch for p, state in self._owned.items()}
+        return self._ownership.owned_epochs()
 
     def safe_until(self) -> dict[int, int]:
         """Per owned partition: entries due up to this time may be acted on.
@@ -171,62 +186,22 @@ class MarkerIngest:
             try:
                 await self._flushed()
             except StoreUnavailable as exc:  # its markers stay pending: flushed again later
-                self._store_failed(exc)
-            self._unclaimed |= partitions
-            await self._claim_unclaimed()
-
-    async def _claim_unclaimed(self) -> None:
-        if not self._unclaimed:
-            return
-        wanted = sorted(self._unclaimed)
-        tps = [TopicPartition(self._topic, p) for p in wanted]
-        try:
-            claims = await self._store.claim_partitions(
-                self._topic, wanted, self._replica, to_millis(self._clock.now())
-            )
-        except StoreUnavailable as exc:
-            self._store_failed(exc)
-            self._consumer.pause(*tps)
-            return
-        self.store_ok = True
-        for partition, claim in claims.items():
-            tp = TopicPartition(self._topic, partition)
-            self._forget(partition)
-            self._owned[partition] = _Partition(claim.epoch, applied_next=claim.next_offset)
-            if claim.next_offset is not None:
-                self._consumer.seek(tp, claim.next_offset)
-            log.info(
-                "owning markers partition %s (epoch %s, resuming at %s)",
-                partition,
-                claim.epoch,
-                claim.next_offset if claim.next_offset is not None else "committed offset",
-            )
-        self._unclaimed.clear()
-        self._consumer.resume(*tps)
-        self._metrics.owned_partitions.set(len(self._owned))
-        self._listener.ownership_changed()
+                self._health.store_failed(exc)
+            self._ownership.assigned(partitions)
+            await self._ownership.claim_unclaimed()
 
     async def _revoke(self, partitions: set[int]) -> None:
         async with self._lock:
-            self._unclaimed -= partitions
-            mine = partitions & set(self._owned)
+            mine = self._ownership.revoked(partitions)
             if not mine:
                 return
             try:
                 await self._flushed()
-                await self._flush(force=True, only=mine)
+                await self._flusher.flush(force=True, only=mine)
             except (StoreUnavailable, Fenced) as exc:
                 # Not applied: the next owner reads these markers again from the store offset.
                 log.warning("could not flush revoked partitions %s: %s", sorted(mine), exc)
-            epochs = {p: self._owned[p].epoch for p in mine}
-            for p in mine:
-                self._forget(p)
-            try:
-                await self._store.release_partitions(self._topic, epochs)
-            except StoreUnavailable as exc:
-                log.warning("could not release partitions %s: %s", sorted(mine), exc)
-            self._metrics.owned_partitions.set(len(self._owned))
-            self._listener.ownership_changed()
+            await self._ownership.release(mine)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -238,13 +213,13 @@ class MarkerIngest:
                 await self.poll_once(wait=self._poll_wait)
                 backoff = 0.1
             except StoreUnavailable as exc:
-                self._store_failed(exc)
+                self._health.store_failed(exc)
                 # Backpressure: stop reading markers until the store takes writes again.
                 await _wait(stopping, backoff)
                 backoff = min(backoff * 2, 5.0)
             except KafkaError as exc:
-                self._broker_seen(False)
-                self.last_error = f"broker: {exc!r}"
+                self._health.broker_seen(False)
+                self._health.last_error = f"broker: {exc!r}"
                 log.warning("markers consumer error: %r", exc)
                 await _wait(stopping, backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -260,23 +235,23 @@ class MarkerIngest:
         if self._flushing is not None and self._flushing.done():
             await self._flushed()  # raises what the background flush raised
         async with self._lock:
-            await self._claim_unclaimed()
-            if self._unclaimed and not self._owned:
+            await self._ownership.claim_unclaimed()
+            if self._ownership.only_unclaimed():
                 return 0
-            if not self.store_ok:
+            if not self._health.store_ok:
                 await self._flushed()
-                await self._flush(force=False)  # raises while the store is still down
-            if self._pending_count() >= self._max_pending:
+                await self._flusher.flush(force=False)  # raises while the store is still down
+            if self._ownership.pending_count() >= self._max_pending:
                 await self._flushed()
-                await self._flush(force=True)
+                await self._flusher.flush(force=True)
         fetched: dict[Any, list[Any]] = await self._consumer.getmany(
             timeout_ms=int(wait * 1000), max_records=self._max_records
         )
         if fetched:
-            self._broker_seen(True)
+            self._health.broker_seen(True)
         count = 0
         async with self._lock:
-            sorted_out: list[_Sorted] = []
+            sorted_out: list[SortedRecords] = []
             for tp, records in fetched.items():
                 state = self._owned.get(tp.partition)
                 if state is None or not records:
@@ -289,7 +264,7 @@ class MarkerIngest:
             await self._note_caught_up()
             if self._window <= 0:
                 await self._flushed()
-                await self._flush(force=True)
+                await self._flusher.flush(force=True)
             elif self._flushing is None and time.monotonic() >= self._next_flush:
                 # Flushes start at most every FLUSH_INTERVAL: each takes what left the window
                 # since the last one. Polls come every few ms under load (and every fetch
@@ -298,9 +273,9 @@ class MarkerIngest:
                 # cancelling out in memory.
                 self._next_flush = time.monotonic() + self._flush_interval
                 self._flushing = asyncio.get_running_loop().create_task(
-                    self._flush(force=False), name="kmq-ingest-flush"
+                    self._flusher.flush(force=False), name="kmq-ingest-flush"
                 )
-        self._metrics.pending_markers.set(self._pending_count())
+        self._metrics.pending_markers.set(self._ownership.pending_count())
         return count
 
     async def _flushed(self) -> None:
@@ -309,12 +284,14 @@ class MarkerIngest:
         if task is not None:
             await task
 
-    async def _sort(self, partition: int, state: _Partition, records: list[Any]) -> _Sorted:
+    async def _sort(
+        self, partition: int, state: PartitionReading, records: list[Any]
+    ) -> SortedRecords:
         """Decode and check one partition's records: what to apply, what to refuse."""
         accepted, rejected = await self._sorter.sort(partition, records)
-        return _Sorted(partition, state, records, accepted, rejected)
+        return SortedRecords(partition, state, records, accepted, rejected)
 
-    async def _park(self, rejected: list[Rejected], fetched: list[_Sorted]) -> None:
+    async def _park(self, rejected: list[Rejected], fetched: list[SortedRecords]) -> None:
         """Park every refused record of one poll in one round trip, before any is applied.
 
         Parked before the applied offsets can move past them, so none is ever dropped: if
@@ -334,7 +311,7 @@ class MarkerIngest:
         for category, n in categories.items():
             self._metrics.markers_invalid.labels(category).inc(n)
 
-    def _accept(self, batch: _Sorted) -> None:
+    def _accept(self, batch: SortedRecords) -> None:
         """Queue a partition's valid markers for the coalescing window."""
         kinds: Counter[str] = Counter()
         for _, pending in batch.accepted:
@@ -355,135 +332,21 @@ class MarkerIngest:
         if advanced is not None:
             self._listener.caught_up(advanced - self._grace_ms)  # what safe_until now allows
         answering = self.broker_answering()
-        if not answering and self.broker_ok:
+        if not answering and self._health.broker_ok:
             log.warning("no fetch response from the broker for %.0f s", BROKER_SILENCE_MS / 1000)
-            self.last_error = "broker: no fetch response"
-        self._broker_seen(answering)
-
-    def _broker_seen(self, answering: bool) -> None:
-        """Whether the broker answers now: one log line when it is back, and the gauge.
-
-        The line that it went away is written where that is noticed (with why); in between,
-        nothing is repeated (aiokafka's own lines are limited in ``tracker.logs``), so an
-        outage reads as two lines of ours: gone, and back after how long.
-        """
-        if not answering and self.broker_ok:
-            self._broker_lost_at = time.monotonic()
-        elif answering and not self.broker_ok and self._broker_lost_at is not None:
-            away = time.monotonic() - self._broker_lost_at
-            log.info("broker answering again after %.0f s", away)
-            self._broker_lost_at = None
-        self.broker_ok = answering
-        self._metrics.broker_reachable.set(1 if answering else 0)
+            self._health.last_error = "broker: no fetch response"
+        self._health.broker_seen(answering)
 
     def broker_answering(self) -> bool:
         """Whether fetch responses for our partitions still arrive (readiness asks this)."""
-        return self._fetches.broker_answering(self._owned, otherwise=self.broker_ok)
-
-    def _pending_count(self) -> int:
-        return sum(len(s.pending) for s in self._owned.values())
-
-    async def _flush(self, *, force: bool, only: set[int] | None = None) -> None:
-        """Apply the markers that left the coalescing window (all of them if ``force``)."""
-        cutoff = time.monotonic() - self._window
-        batch: list[PendingMarker] = []
-        progress: dict[int, PartitionProgress] = {}
-        taken: dict[int, int] = {}
-        for partition, state in self._owned.items():
-            if only is not None and partition not in only:
-                continue
-            n = 0
-            for arrived, pending in state.pending:
-                if not force and arrived > cutoff:
-                    break
-                batch.append(pending)
-                n += 1
-            if n < len(state.pending):
-                next_offset = state.pending[n][1].markers_offset
-            elif state.seen_next is not None:
-                next_offset = state.seen_next
-            else:
-                continue
-            if next_offset == state.applied_next and n == 0:
-                continue
-            progress[partition] = PartitionProgress(state.epoch, next_offset)
-            taken[partition] = n
-        if not progress:
-            return
-        started = time.perf_counter()
-        try:
-            result = await self._store.apply(
-                self._topic, progress, batch, self._policy_for, to_millis(self._clock.now())
-            )
-        except Fenced as exc:
-            self._fenced(exc.partitions)
-            # Nothing was applied; the partitions that are still ours retry next time.
-            return
-        self.store_ok = True
-        self._metrics.flush_seconds.observe(time.perf_counter() - started)
-        self._metrics.markers_coalesced.inc(max(0, len(batch) - result.upserted - result.deleted))
-        for partition, n in taken.items():
-            state = self._owned[partition]
-            for _ in range(n):
-                _, pending = state.pending.popleft()
-                self._waiting.hold(pending.marker, -1)
-            state.applied_next = progress[partition].next_offset
-        await self._commit(progress)
-        if result.anomalies:
-            self._metrics.marker_anomalies.inc(len(result.anomalies))
-            for pending, why in result.anomalies[:20]:
-                log.info(
-                    "marker %s/%s not applied: %s",
-                    pending.markers_partition,
-                    pending.markers_offset,
-                    why,
-                )
-            await self._parker.park_anomalies(result.anomalies)
-        if result.earliest_due_ms is not None:
-            self._listener.due(result.earliest_due_ms)
-
-    async def _commit(self, progress: dict[int, PartitionProgress]) -> None:
-        offsets = {
-            TopicPartition(self._topic, p): OffsetAndMetadata(pr.next_offset, "")
-            for p, pr in progress.items()
-        }
-        try:
-            await self._consumer.commit(offsets)
-        except KafkaError as exc:
-            # Harmless: the store holds the authoritative position; this is for lag metrics.
-            log.debug("markers offset commit failed: %r", exc)
-
-    def _forget(self, partition: int) -> None:
-        state = self._owned.pop(partition, None)
-        if state is None:
-            return
-        with contextlib.suppress(KeyError):
-            self._metrics.markers_lag.remove(str(partition))
-        for _, pending in state.pending:
-            self._waiting.hold(pending.marker, -1)
-
-    def _fenced(self, partitions: set[int]) -> None:
-        log.warning("fenced out of markers partitions %s: another replica owns them", partitions)
-        self._metrics.fenced.inc()
-        for p in partitions:
-            self._forget(p)
-        tps = [TopicPartition(self._topic, p) for p in partitions]
-        self._consumer.pause(*tps)
-        self._metrics.owned_partitions.set(len(self._owned))
-        self._listener.ownership_changed()
-
-    def _store_failed(self, exc: Exception) -> None:
-        if self.store_ok:
-            log.error("store unavailable, pausing marker ingest: %s", exc)
-        self.store_ok = False
-        self.last_error = f"store: {exc}"
+        return self._fetches.broker_answering(self._owned, otherwise=self._health.broker_ok)
 
     async def drain(self) -> None:
         """Apply everything read so far (shutdown, tests). Errors are logged, not raised."""
         async with self._lock:
             try:
                 await self._flushed()
-                await self._flush(force=True)
+                await self._flusher.flush(force=True)
             except StoreUnavailable as exc:
                 log.warning("could not apply pending markers at shutdown (re-read later): %s", exc)
 
@@ -491,14 +354,7 @@ class MarkerIngest:
         async with self._lock:
             with contextlib.suppress(StoreUnavailable, KafkaError):
                 await self._flushed()  # what it did not apply is read again by the next owner
-            epochs = self.owned_epochs()
-            for p in list(self._owned):
-                self._forget(p)
-            if epochs:
-                try:
-                    await self._store.release_partitions(self._topic, epochs)
-                except StoreUnavailable as exc:
-                    log.warning("could not release partitions at shutdown: %s", exc)
+            await self._ownership.release_all()
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:

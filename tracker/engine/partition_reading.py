@@ -1,0 +1,46 @@
+"""What ingest keeps per markers partition it owns, and what one poll read of it.
+
+A :class:`PartitionReading` lives as long as this replica owns its partition: the markers read
+and still in the coalescing window, how far the partition was read and how far the store has
+it applied, and the broker ends its safe horizon waits for. It is apart from
+``tracker.engine.ingest`` because several parts share it: ownership creates and drops it
+(``tracker.engine.markers_ownership``), the flush takes markers from it
+(``tracker.engine.marker_flush``) and the fetch responses advance its horizon
+(``tracker.engine.fetch_responses``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracker.engine.fetch_responses import MAX_ENDS
+from tracker.engine.parking import Rejected
+from tracker.store.port import PendingMarker
+
+
+@dataclass(slots=True)
+class PartitionReading:
+    """What a replica knows about one markers partition it owns."""
+
+    epoch: int
+    pending: deque[tuple[float, PendingMarker]] = field(default_factory=deque)
+    seen_next: int | None = None  #: offset after the last record read
+    applied_next: int | None = None  #: offset recorded in the store by the last flush
+    #: tracker-clock time at which we had read everything the broker had (None: not yet)
+    caught_up_ms: int | None = None
+    #: (high watermark, wall-clock ms of the fetch response that reported it), oldest first:
+    #: the broker's end at moments we have not read up to yet
+    ends: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=MAX_ENDS))
+
+
+@dataclass(frozen=True, slots=True)
+class SortedRecords:
+    """One partition's fetched records, sorted into markers to apply and records to refuse."""
+
+    partition: int
+    state: PartitionReading
+    records: list[Any]
+    accepted: list[tuple[float, PendingMarker]]
+    rejected: list[Rejected]
