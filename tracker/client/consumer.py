@@ -146,10 +146,10 @@ class KmqConsumer:
             raise ValueError(f"group_id must be 1 to {MAX_GROUP_LENGTH} bytes of UTF-8")
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
-        self._timeout_ms = 0
+        lease_ms = 0  #: kept by the range taker from here on (run() may set one)
         if processing_timeout is not None:
-            self._timeout_ms = round(processing_timeout.total_seconds() * 1000)
-            if not 0 < self._timeout_ms <= MAX_TIMEOUT_MS:
+            lease_ms = round(processing_timeout.total_seconds() * 1000)
+            if not 0 < lease_ms <= MAX_TIMEOUT_MS:
                 raise ValueError("processing_timeout must be between 1 ms and ~49 days")
         self.topics = topics
         self.group_id = group_id
@@ -218,7 +218,7 @@ class KmqConsumer:
             fetch_max_bytes=int(
                 (consumer_config or {}).get("fetch_max_bytes", AIOKAFKA_FETCH_MAX_BYTES)
             ),
-            lease_ms=self._timeout_ms,
+            lease_ms=lease_ms,
             depth=pipeline_depth,
         )
 
@@ -376,14 +376,13 @@ class KmqConsumer:
         # ahead are enough to hide the START round trips; more would be read twice after a
         # rebalance and given back on stop.
         self._ranges.depth = min(self._ranges.depth, POOL_PIPELINE_DEPTH)
-        if not self._timeout_ms:
+        if not self._ranges.lease_ms:
             # The pool renews leases, so it must know them: ask for one explicitly.
-            self._timeout_ms = round(DEFAULT_RUN_LEASE.total_seconds() * 1000)
-            self._ranges.lease_ms = self._timeout_ms
+            self._ranges.lease_ms = round(DEFAULT_RUN_LEASE.total_seconds() * 1000)
         settings = PoolSettings(
             concurrency=concurrency,
             ordering=order,
-            lease_ms=self._timeout_ms,
+            lease_ms=self._ranges.lease_ms,
             max_processing_s=max_s,
             drain_s=drain_s,
             max_waiting=2 * max(concurrency, self._max_batch),
@@ -419,7 +418,7 @@ class KmqConsumer:
     async def _take(self, timeout_ms: int) -> TakenBatch | None:
         if self.marker_version == 2:
             return await self._ranges.take(timeout_ms)
-        return await self._per_message.take(timeout_ms, self._timeout_ms)
+        return await self._per_message.take(timeout_ms, self._ranges.lease_ms)
 
     async def batches(self) -> AsyncIterator[Sequence[KmqMessage]]:
         """Yield non-empty batches of messages until the consumer is stopped."""

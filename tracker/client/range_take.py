@@ -35,7 +35,11 @@ from .prepared_batches import PreparedBatch, prefetch_seconds, value_bytes
 
 class RangeTaker:
     """Take batches the v2 way. ``lease_ms`` and ``depth`` may be changed before the first
-    :meth:`take` (``KmqConsumer.run`` does: the pool renews leases and fetches few ahead)."""
+    :meth:`take` (``KmqConsumer.run`` does: the pool renews leases and fetches few ahead).
+
+    ``lease_ms`` is the consumer's one record of its lease (0: none), which protocol v1's
+    taker and the worker pool read from here too.
+    """
 
     def __init__(
         self,

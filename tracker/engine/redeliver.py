@@ -293,7 +293,7 @@ class Redeliverer:
             entries = [e for e in entries if e.markers_partition not in moved]
             log.info("markers partitions %s changed owner during a round", sorted(moved))
         started = time.perf_counter()
-        payloads = await self._payloads(entries) if entries else {}
+        payloads = await self._payloads(entries)  # none to read: {} at once
         built = time.perf_counter()
         self._phase["read"].observe(built - started)
         batches = CopyBatches(self._producer)
