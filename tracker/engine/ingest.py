@@ -111,7 +111,6 @@ class MarkerIngest:
             listener=self._listener,
             health=self._health,
         )
-        self._owned: dict[int, PartitionReading] = self._ownership.owned  #: the same dict
         self._flusher = MarkerFlush(
             consumer=consumer,
             store=store,
@@ -130,6 +129,11 @@ class MarkerIngest:
         #: the flush running while the loop fetches and decodes the next markers (one at a
         #: time: a flush must see what the one before it wrote)
         self._flushing: asyncio.Task[None] | None = None
+
+    @property
+    def _owned(self) -> dict[int, PartitionReading]:
+        """The partitions owned, with what is read of each (ownership keeps them)."""
+        return self._ownership.owned
 
     # -- health (readiness asks these) ---------------------------------------------------
 
