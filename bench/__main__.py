@@ -23,10 +23,26 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import consumer_overhead, ingest, redelivery, scale, scale_ranges, worker_pool
+from . import (
+    consumer_overhead,
+    delayed_backlog,
+    ingest,
+    redelivery,
+    scale,
+    scale_ranges,
+    worker_pool,
+)
 from .common import ROOT, Infra, ScenarioResult, infrastructure, machine
 
-SCENARIOS = ("consumer_overhead", "ingest", "redelivery", "scale", "scale_ranges", "worker_pool")
+SCENARIOS = (
+    "consumer_overhead",
+    "ingest",
+    "redelivery",
+    "scale",
+    "scale_ranges",
+    "worker_pool",
+    "delayed_backlog",
+)
 #: Scenarios without a tracker store (``--stores`` does not apply).
 STORELESS = ("consumer_overhead", "worker_pool")
 
@@ -38,6 +54,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "scale": {"sizes": (10_000, 100_000, 1_000_000), "api_seconds": 8.0},
         "scale_ranges": {"sizes": (10_000, 100_000, 1_000_000, 10_000_000)},
         "worker_pool": {"backlog": 800_000},
+        "delayed_backlog": {"sizes": (1_000_000, 10_000_000)},
     },
     "full": {
         "consumer_overhead": {"messages": 400_000, "repeat": 3, "latency_seconds": 15.0},
@@ -50,6 +67,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         },
         "scale_ranges": {"sizes": (10_000, 100_000, 1_000_000, 10_000_000)},
         "worker_pool": {"backlog": 1_600_000, "window_s": 8.0, "window_handlers": 60.0},
+        "delayed_backlog": {"sizes": (1_000_000, 10_000_000), "probes": 200},
     },
     "quick": {
         "consumer_overhead": {"messages": 50_000, "repeat": 1, "latency_seconds": 4.0},
@@ -64,6 +82,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "window_s": 2.0,
             "window_handlers": 15.0,
         },
+        "delayed_backlog": {"sizes": (100_000, 1_000_000), "reps": 5, "probes": 50},
     },
     "smoke": {
         "consumer_overhead": {
@@ -103,6 +122,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
             "window_s": 0.4,
             "window_handlers": 0.0,
         },
+        "delayed_backlog": {"sizes": (1_000, 3_000), "stores": ("sqlite",), "reps": 2, "probes": 3},
     },
 }
 
@@ -130,6 +150,8 @@ async def run_all(
             found = [await scale_ranges.run(infra, **kwargs)]
         elif name == "worker_pool":
             found = [await worker_pool.run(infra, **kwargs)]
+        elif name == "delayed_backlog":
+            found = [await delayed_backlog.run(infra, **kwargs)]
         else:
             found = list(await scale.run(infra, **kwargs))
         seconds = time.perf_counter() - started

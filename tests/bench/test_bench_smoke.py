@@ -27,6 +27,7 @@ EXPECTED = {
     "scale_ranges",
     "api_load",
     "worker_pool",
+    "delayed_backlog",
 }
 
 
