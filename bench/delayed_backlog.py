@@ -37,8 +37,9 @@ from tracker.clock import SystemClock, to_millis
 from tracker.partitioning import marker_key, markers_partition
 from tracker.protocol import encode_any
 from tracker.store import Store
+from tracker.store.counts import recount
 from tracker.store.migrate import upgrade
-from tracker.store.tables import encode_headers
+from tracker.store.tables import encode_headers, tracked, tracked_counts
 
 from . import markers as mk
 from .common import (
@@ -54,7 +55,7 @@ from .common import (
     wait_until,
 )
 from .redelivery import ACK_GRACE, PARTITIONS, _read_timestamps, copy_origin
-from .scale import _free_port
+from .scale import _free_port, analyze
 from .tracker_proc import TrackerProcess
 
 HOUR_MS = 3_600_000
@@ -107,7 +108,8 @@ def _seed_sql(dialect: str, topic: str) -> str:
 
 
 class BacklogSeeder:
-    """Grows the delayed backlog of one store in steps, keeping ``tracked_counts`` right."""
+    """Grows the delayed backlog of one store in steps, keeping ``tracked_counts`` right (the
+    store's own :func:`~tracker.store.counts.recount`, as a partition takeover runs it)."""
 
     def __init__(self, store: Store, markers: str, topic: str) -> None:
         self.store = store
@@ -147,22 +149,8 @@ class BacklogSeeder:
                 )
         self.rows = size
         async with self.store.transaction() as conn:
-            await conn.execute(
-                text("DELETE FROM tracked_counts WHERE origin_topic = :t"), {"t": self.topic}
-            )
-            await conn.execute(
-                text(
-                    "INSERT INTO tracked_counts (markers_partition, origin_topic, group_id, state,"
-                    " entries) SELECT markers_partition, origin_topic, group_id, state, count(*)"
-                    " FROM tracked_messages WHERE origin_topic = :t"
-                    " GROUP BY markers_partition, origin_topic, group_id, state"
-                ),
-                {"t": self.topic},
-            )
-        async with self.store.transaction() as conn:
-            await conn.execute(
-                text("ANALYZE tracked_messages" if dialect != "sqlite" else "ANALYZE")
-            )
+            await recount(conn, tracked_counts, tracked, range(PARTITIONS))
+        await analyze(self.store)
         return watch.seconds
 
     async def due_scan(self, reps: int) -> tuple[float, float]:
