@@ -149,7 +149,8 @@ class TrackedCount(Base):
     """How many tracked entries there are per markers partition, origin topic, group and state.
 
     Kept by the ``Store`` in every transaction that writes entries, and recounted for a
-    partition when a replica takes it over (``tracker/store/counts.py``): the topic
+    partition when a replica takes it over from an owner that may not have kept them
+    (``counted_epoch``, ``tracker/store/counts.py``): the topic
     statistics read these few rows instead of counting a table of millions. Keyed by markers
     partition because every writer of an entry holds that partition's row lock already, so
     replicas never wait on each other's counters. Rows that reach zero stay.
@@ -189,6 +190,9 @@ class MarkersPartition(Base):
     #: the first markers offset not yet applied to this store
     next_offset: Mapped[int] = mapped_column(BigInteger, nullable=False)
     updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    #: the epoch of the last owner that kept ``tracked_counts`` exact from its takeover on
+    #: (0010); a takeover at the next epoch need not recount (``tracker/store/counts.py``)
+    counted_epoch: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class DeadLetter(Base):

@@ -31,12 +31,11 @@ class PartitionOwnership(SqlDatabase):
     ) -> dict[int, Claim]:
         """Take these markers partitions over: bump their epochs, return where to resume."""
         claims: dict[int, Claim] = {}
+        uncounted: list[int] = []
+        p = partitions_table.c
         async with self.transaction() as conn:
             for partition in sorted(set(partitions)):
-                key = and_(
-                    partitions_table.c.markers_topic == markers_topic,
-                    partitions_table.c.partition == partition,
-                )
+                key = and_(p.markers_topic == markers_topic, p.partition == partition)
                 await conn.execute(
                     insert_ignore(
                         self.engine,
@@ -56,15 +55,24 @@ class PartitionOwnership(SqlDatabase):
                 result = await conn.execute(
                     update(partitions_table)
                     .where(key)
-                    .values(epoch=partitions_table.c.epoch + 1, owner=owner, updated_ms=now_ms)
-                    .returning(partitions_table.c.epoch, partitions_table.c.next_offset)
+                    .values(epoch=p.epoch + 1, owner=owner, updated_ms=now_ms)
+                    .returning(p.epoch, p.next_offset, p.counted_epoch)
                 )
-                epoch, next_offset = result.one()
+                epoch, next_offset, counted_epoch = result.one()
                 claims[partition] = Claim(epoch, None if next_offset < 0 else next_offset)
-            # The rows are ours and locked now: whatever the previous owners wrote, the
-            # counters of these partitions are exact from here on (see tracker.store.counts).
+                if counted_epoch != epoch - 1:
+                    uncounted.append(partition)
+            # The rows are ours and locked now. A partition whose previous owner kept its
+            # counters (counted_epoch is that owner's epoch) has exact counters already; the
+            # others are counted again, whatever an owner of an older version wrote (see
+            # tracker.store.counts). From here on this replica keeps them all.
             await recount(
-                conn, tracked_counts, tracked, claims, ranges=ranges_table, engine=self.engine
+                conn, tracked_counts, tracked, uncounted, ranges=ranges_table, engine=self.engine
+            )
+            await conn.execute(
+                update(partitions_table)
+                .where(p.markers_topic == markers_topic, p.partition.in_(sorted(claims)))
+                .values(counted_epoch=p.epoch)
             )
         return claims
 
