@@ -54,8 +54,8 @@ from .common import (
     unique,
     wait_until,
 )
-from .redelivery import ACK_GRACE, PARTITIONS, _read_timestamps, copy_origin
-from .scale import _free_port, analyze
+from .redelivery import ACK_GRACE, PARTITIONS, copy_origin, read_timestamps
+from .scale import analyze, free_port
 from .tracker_proc import TrackerProcess
 
 HOUR_MS = 3_600_000
@@ -198,7 +198,7 @@ async def probe_lateness(
     copies: dict[Any, int] = {}
     stop = asyncio.Event()
     reader = asyncio.create_task(
-        _read_timestamps(bootstrap, retry, copies, lambda r: copy_origin(r.headers), stop)
+        read_timestamps(bootstrap, retry, copies, lambda r: copy_origin(r.headers), stop)
     )
     due: dict[Any, int] = {}
     try:
@@ -253,10 +253,10 @@ async def run(
     logging.getLogger("tracker").setLevel(logging.ERROR)
     bootstrap = infra.bootstrap
     for store_name in stores:
-        queue = await create_topic(bootstrap, unique("bench-s6-queue"), PARTITIONS)
-        retry = await create_topic(bootstrap, unique("bench-s6-retry"), PARTITIONS)
-        markers = await create_topic(bootstrap, unique("bench-s6-markers"), PARTITIONS)
-        url = infra.database_url(store_name, unique("s6"))
+        queue = await create_topic(bootstrap, unique("bench-s7-queue"), PARTITIONS)
+        retry = await create_topic(bootstrap, unique("bench-s7-retry"), PARTITIONS)
+        markers = await create_topic(bootstrap, unique("bench-s7-markers"), PARTITIONS)
+        url = infra.database_url(store_name, unique("s7"))
         store = Store.from_url(url)
         proc: TrackerProcess | None = None
         try:
@@ -285,13 +285,13 @@ async def run(
                 "database_url": url,
                 "markers_topic": markers,
                 "markers_partitions": PARTITIONS,
-                "tracker_group": unique("bench-s6-tracker"),
-                "replica_id": "bench-s6",
+                "tracker_group": unique("bench-s7-tracker"),
+                "replica_id": "bench-s7",
                 "ack_grace": ACK_GRACE.total_seconds(),
                 "default_policy": {"retry_topic": retry},
             }
             proc = TrackerProcess(
-                settings, _free_port(), infra.scratch / f"tracker-s6-{store_name}.log"
+                settings, free_port(), infra.scratch / f"tracker-s7-{store_name}.log"
             )
             started = time.perf_counter()
             await proc.start()

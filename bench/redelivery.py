@@ -187,7 +187,7 @@ def _paced_starts(
     asyncio.run(main())
 
 
-async def _read_timestamps(
+async def read_timestamps(
     bootstrap: str, topic: str, out: dict[Any, int], key_of: Any, stop: asyncio.Event
 ) -> None:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
@@ -266,7 +266,7 @@ async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[st
             await asyncio.sleep(1.0)  # let ingest record that it is caught up
             readers = [
                 asyncio.create_task(
-                    _read_timestamps(
+                    read_timestamps(
                         bootstrap,
                         markers,
                         starts,
@@ -275,7 +275,7 @@ async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[st
                     )
                 ),
                 asyncio.create_task(
-                    _read_timestamps(
+                    read_timestamps(
                         bootstrap, retry, copies, lambda r: (-1, copy_origin(r.headers)), stop
                     )
                 ),

@@ -72,7 +72,7 @@ def policy_for(_topic: str) -> ResolvedPolicy:
     return _POLICY
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket  # noqa: PLC0415
 
     with socket.socket() as sock:
@@ -344,7 +344,7 @@ async def replica_on_fresh_store(infra: Infra, store_name: str, tag: str) -> Asy
             "replica_id": f"bench-{tag}",
         }
         proc = TrackerProcess(
-            settings, _free_port(), infra.scratch / f"tracker-{tag}-{store_name}.log"
+            settings, free_port(), infra.scratch / f"tracker-{tag}-{store_name}.log"
         )
         await proc.start()
         async with httpx.AsyncClient(base_url=proc.base_url, timeout=60) as client:
@@ -362,7 +362,7 @@ async def api_alone(replica: Replica, store_name: str) -> AsyncIterator[httpx.As
     Helm chart's ``apiDeployment``): requests no longer share the engine's event loop."""
     proc = TrackerProcess(
         replica.settings,
-        _free_port(),
+        free_port(),
         replica.scratch / f"api-alone-{store_name}.log",
         api_only=True,
     )
