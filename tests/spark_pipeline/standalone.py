@@ -34,11 +34,16 @@ def _free_port() -> int:
 
 
 def _alive_workers(ui_port: int) -> int:
+    """The master's count of alive workers, 0 while its web UI cannot say yet.
+
+    While the master starts, its UI can answer ``/json/`` with the HTML status page (the root
+    handler is serving before the JSON one is attached); that is "not yet", like a refused
+    connection, not a failure."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as answer:
             workers: int = json.load(answer).get("aliveworkers", 0)
             return workers
-    except OSError:
+    except (OSError, ValueError):  # ValueError: json.JSONDecodeError, an HTML page
         return 0
 
 
