@@ -17,6 +17,7 @@ from tracker.clock import to_millis
 from tracker.domain.actions import ActionKind as StoreAction
 from tracker.domain.actions import ActionOutcome
 from tracker.domain.entries import State
+from tracker.store.admin_reads import EntryView
 from tracker.store.inspection import EntryFilter, EntryOrder
 
 from ..context import ApiContext
@@ -31,6 +32,7 @@ from ..message_ids import (
     parse_message_id,
 )
 from ..message_kafka_reads import fetch_history, fetch_preview, not_asked
+from ..message_page_json import message_page_json
 from ..models import (
     TEXT_PATTERN,
     TOPIC_PATTERN,
@@ -42,7 +44,6 @@ from ..models import (
 from ..views import (
     action_view,
     dead_letter_view,
-    json_response,
     message_summary,
     message_summary_data,
     position,
@@ -117,15 +118,30 @@ async def list_messages(
         min_attempt=min_attempt,
         seen_before_ms=to_millis(seen_before) if seen_before is not None else None,
     )
-    page = await find_messages(context, flt, EntryOrder(order), limit=limit, cursor=cursor)
-    return json_response(page)
+    views, next_cursor = await _page(context, flt, EntryOrder(order), limit, cursor)
+    body = message_page_json(views, context.now_ms(), next_cursor, limit)
+    return Response(body, media_type="application/json")
 
 
 async def find_messages(
     context: ApiContext, flt: EntryFilter, sort: EntryOrder, *, limit: int, cursor: str | None
 ) -> MessagePage:
-    """One page of the listing (the API's and the console's): ``cursor`` is the previous
+    """One page of the listing as its model (the console's pages); ``cursor`` is the previous
     page's ``next_cursor``, valid only for the same filter and order."""
+    views, next_cursor = await _page(context, flt, sort, limit, cursor)
+    now_ms = context.now_ms()
+    page = {
+        "items": [message_summary_data(v, now_ms) for v in views],
+        "next_cursor": next_cursor,
+        "limit": limit,
+    }
+    return MessagePage.model_validate(page)
+
+
+async def _page(
+    context: ApiContext, flt: EntryFilter, sort: EntryOrder, limit: int, cursor: str | None
+) -> tuple[list[EntryView], str | None]:
+    """The entries of one page of the listing, and the cursor of the next (``None``: last)."""
     states = sorted(s.value for s in flt.states)
     shape: dict[str, Any] = {"f": [flt.topic, flt.partition, states, flt.group], "o": sort.value}
     shape["d"] = [flt.due_before_ms, flt.due_after_ms, flt.min_attempt]
@@ -143,13 +159,7 @@ async def find_messages(
         next_cursor = encode_cursor(
             [last.due_at_ms, *key] if sort is EntryOrder.DUE else key, query
         )
-    now_ms = context.now_ms()
-    page = {
-        "items": [message_summary_data(v, now_ms) for v in views],
-        "next_cursor": next_cursor,
-        "limit": limit,
-    }
-    return MessagePage.model_validate(page)
+    return views, next_cursor
 
 
 @router.get(
