@@ -17,6 +17,8 @@ from json.encoder import encode_basestring_ascii
 
 from tracker.store.admin_reads import EntryView
 
+from .message_ids import format_message_id
+
 #: a str as a JSON string, escaped to ASCII (the C function ``json.dumps`` ends up in)
 _text: Callable[[str], str] = encode_basestring_ascii
 
@@ -36,17 +38,11 @@ def json_time(ms: int) -> str:
 
 def _summary(view: EntryView, now_ms: int) -> str:
     e = view.entry
-    group, topic, partition, offset = (
-        e.group_id,
-        e.origin_topic,
-        e.origin_partition,
-        e.origin_offset,
-    )
     due = e.due_at_ms
-    republishing = e.claim_token is not None and due is not None and due > now_ms
     return (
-        f'{{"id":{_text(f"{group}/{topic}/{partition}/{offset}")},"group":{_text(group)},'
-        f'"origin":{{"topic":{_text(topic)},"partition":{partition:d},"offset":{offset:d}}},'
+        f'{{"id":{_text(format_message_id(e.key))},"group":{_text(e.group_id)},'
+        f'"origin":{{"topic":{_text(e.origin_topic)},"partition":{e.origin_partition:d},'
+        f'"offset":{e.origin_offset:d}}},'
         f'"state":"{e.state.value}","attempt":{e.attempt:d},'
         f'"latest_copy":{{"topic":{_text(e.copy_topic)},"partition":{e.copy_partition:d},'
         f'"offset":{e.copy_offset:d}}},'
@@ -55,7 +51,7 @@ def _summary(view: EntryView, now_ms: int) -> str:
         f'"deferred":{"true" if e.deferred else "false"},"consumer":{_text(e.consumer)},'
         f'"reason":{_text(e.reason)},"markers_partition":{e.markers_partition:d},'
         f'"payload_kept":{"true" if view.payload_stored else "false"},'
-        f'"being_republished":{"true" if republishing else "false"}}}'
+        f'"being_republished":{"true" if e.being_republished(now_ms) else "false"}}}'
     )
 
 

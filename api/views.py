@@ -56,9 +56,7 @@ def message_summary_data(view: EntryView, now_ms: int) -> dict[str, Any]:
         "reason": e.reason,
         "markers_partition": e.markers_partition,
         "payload_kept": view.payload_stored,
-        "being_republished": e.claim_token is not None
-        and e.due_at_ms is not None
-        and e.due_at_ms > now_ms,
+        "being_republished": e.being_republished(now_ms),
     }
 
 

@@ -56,7 +56,7 @@ class ActionDecision:
 def decide_action(entry: Entry, request: ActionRequest, now_ms: int) -> ActionDecision:
     """The effect of ``request`` on ``entry`` (pure; the rules of docs/api.md, Actions)."""
     state = entry.state
-    if entry.claim_token is not None and entry.due_at_ms is not None and entry.due_at_ms > now_ms:
+    if entry.being_republished(now_ms):
         return ActionDecision(
             ActionOutcome.CONFLICT,
             "the tracker is republishing this message right now (a redelivery round claimed "

@@ -57,6 +57,14 @@ class Entry:
     def key(self) -> EntryKey:
         return (self.group_id, self.origin_topic, self.origin_partition, self.origin_offset)
 
+    def being_republished(self, now_ms: int) -> bool:
+        """A redelivery round holds it now: claimed, and the claim's lease not yet run out
+        (a claim pushes the due time to the lease's end; past it, any replica may claim it
+        again, so an operator may act on it too)."""
+        return (
+            self.claim_token is not None and self.due_at_ms is not None and self.due_at_ms > now_ms
+        )
+
 
 def entry_key(marker: Marker) -> EntryKey:
     return (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset)
