@@ -71,11 +71,17 @@ class _Batch:
 
 @dataclass
 class FakeProducer:
-    """What redelivery asks of aiokafka's producer: partitions, batches, sends."""
+    """What redelivery asks of aiokafka's producer: partitions, batches, sends.
+
+    With ``hold_acks`` set, a batch sent is acknowledged (or refused) only when the test calls
+    :meth:`acknowledge`: what the caller does while a produce is in flight can be checked.
+    """
 
     logs: dict[str, list[tuple[bytes | None, bytes | None, dict[str, bytes | None]]]] = field(
         default_factory=dict
     )
+    hold_acks: bool = False
+    held: list[tuple[str, _Batch, asyncio.Future[Any]]] = field(default_factory=list)
 
     async def partitions_for(self, topic: str) -> set[int]:
         return {0}
@@ -84,11 +90,27 @@ class FakeProducer:
         return _Batch()
 
     async def send_batch(self, batch: _Batch, topic: str, *, partition: int) -> asyncio.Future[Any]:
-        log = self.logs.setdefault(topic, [])
         done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.hold_acks:
+            self.held.append((topic, batch, done))
+        else:
+            self._write(topic, batch, done)
+        return done
+
+    def acknowledge(self, error: BaseException | None = None) -> int:
+        """Settle the held batches: written and acknowledged, or refused with ``error``."""
+        held, self.held = self.held, []
+        for topic, batch, done in held:
+            if error is None:
+                self._write(topic, batch, done)
+            else:
+                done.set_exception(error)
+        return len(held)
+
+    def _write(self, topic: str, batch: _Batch, done: asyncio.Future[Any]) -> None:
+        log = self.logs.setdefault(topic, [])
         done.set_result(SimpleNamespace(offset=len(log)))
         log += [(key, value, dict(hs)) for key, value, hs in batch.records]
-        return done
 
     async def send(
         self, topic: str, *, value: bytes | None, headers: list[Any], key: bytes | None = None

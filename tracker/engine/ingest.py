@@ -27,7 +27,6 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from aiokafka import TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
@@ -40,7 +39,8 @@ from tracker.engine.ingest_health import IngestHealth
 from tracker.engine.marker_flush import MarkerFlush
 from tracker.engine.marker_verdicts import MarkerCheck, MarkerSorter
 from tracker.engine.markers_ownership import MarkersOwnership
-from tracker.engine.parking import InvalidMarkerParker, Rejected
+from tracker.engine.parking import InvalidMarkerParker
+from tracker.engine.parking_in_flight import ParkingInFlight
 from tracker.engine.partition_reading import PartitionReading, SortedRecords
 from tracker.engine.signals import IngestListener, NoListener
 from tracker.metrics import Metrics
@@ -76,7 +76,8 @@ class MarkerIngest:
         poll_wait: float = 0.2,
     ) -> None:
         self._consumer = consumer
-        self._parker = parker
+        #: refused records being parked while the loop goes on (each flush waits for them)
+        self._parking = ParkingInFlight(parker, metrics)
         self._topic = markers_topic
         self._metrics = metrics
         self._window = coalesce_window
@@ -115,6 +116,7 @@ class MarkerIngest:
             consumer=consumer,
             store=store,
             parker=parker,
+            parking=self._parking,
             markers_topic=markers_topic,
             policy_for=policy_for,
             clock=clock,
@@ -202,8 +204,9 @@ class MarkerIngest:
             try:
                 await self._flushed()
                 await self._flusher.flush(force=True, only=mine)
-            except (StoreUnavailable, Fenced) as exc:
-                # Not applied: the next owner reads these markers again from the store offset.
+            except (StoreUnavailable, Fenced, KafkaError) as exc:
+                # Not applied (the store, or parking refused markers, failed): the next owner
+                # reads these markers again from the store offset.
                 log.warning("could not flush revoked partitions %s: %s", sorted(mine), exc)
             await self._ownership.release(mine)
 
@@ -262,7 +265,9 @@ class MarkerIngest:
                     continue  # fenced or revoked meanwhile: the owner reads them
                 count += len(records)
                 sorted_out.append(await self._sort(tp.partition, state, records))
-            await self._park([item for batch in sorted_out for item in batch.rejected], sorted_out)
+            # Parked while the loop goes on; the flush that moves the applied offsets past
+            # these records waits for it (tracker.engine.parking_in_flight).
+            self._parking.start([item for batch in sorted_out for item in batch.rejected])
             for batch in sorted_out:
                 self._accept(batch)
             await self._note_caught_up()
@@ -294,26 +299,6 @@ class MarkerIngest:
         """Decode and check one partition's records: what to apply, what to refuse."""
         accepted, rejected = await self._sorter.sort(partition, records)
         return SortedRecords(partition, state, records, accepted, rejected)
-
-    async def _park(self, rejected: list[Rejected], fetched: list[SortedRecords]) -> None:
-        """Park every refused record of one poll in one round trip, before any is applied.
-
-        Parked before the applied offsets can move past them, so none is ever dropped: if
-        parking fails, nothing of this poll was taken and every partition is read again.
-        """
-        if not rejected:
-            return
-        try:
-            await self._parker.park(rejected)
-        except KafkaError:
-            for batch in fetched:
-                self._consumer.seek(
-                    TopicPartition(self._topic, batch.partition), batch.records[0].offset
-                )
-            raise
-        categories = Counter(item.category for item in rejected)
-        for category, n in categories.items():
-            self._metrics.markers_invalid.labels(category).inc(n)
 
     def _accept(self, batch: SortedRecords) -> None:
         """Queue a partition's valid markers for the coalescing window."""
@@ -351,7 +336,7 @@ class MarkerIngest:
             try:
                 await self._flushed()
                 await self._flusher.flush(force=True)
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, KafkaError) as exc:
                 log.warning("could not apply pending markers at shutdown (re-read later): %s", exc)
 
     async def release_all(self) -> None:
@@ -359,6 +344,7 @@ class MarkerIngest:
             with contextlib.suppress(StoreUnavailable, KafkaError):
                 await self._flushed()  # what it did not apply is read again by the next owner
             await self._ownership.release_all()
+            await self._parking.close()  # what it parks is read again by the next owner
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:

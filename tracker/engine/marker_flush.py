@@ -23,6 +23,7 @@ from tracker.engine.coalescing_index import CoalescingIndex
 from tracker.engine.ingest_health import IngestHealth
 from tracker.engine.markers_ownership import MarkersOwnership
 from tracker.engine.parking import InvalidMarkerParker
+from tracker.engine.parking_in_flight import ParkingInFlight
 from tracker.engine.signals import IngestListener
 from tracker.metrics import Metrics
 from tracker.store import Fenced
@@ -41,6 +42,7 @@ class MarkerFlush:
         consumer: Any,
         store: TrackerStore,
         parker: InvalidMarkerParker,
+        parking: ParkingInFlight,
         markers_topic: str,
         policy_for: PolicyLookup,
         clock: Clock,
@@ -54,6 +56,7 @@ class MarkerFlush:
         self._consumer = consumer
         self._store = store
         self._parker = parker
+        self._parking = parking
         self._topic = markers_topic
         self._policy_for = policy_for
         self._clock = clock
@@ -91,6 +94,9 @@ class MarkerFlush:
             taken[partition] = n
         if not progress:
             return
+        # The offsets recorded below move past refused records only once they are parked;
+        # a parking that failed raises here, and nothing is applied.
+        await self._parking.settle()
         started = time.perf_counter()
         try:
             result = await self._store.apply(
