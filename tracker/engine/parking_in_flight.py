@@ -46,11 +46,6 @@ class ParkingInFlight:
         self._failed: KafkaError | None = None  #: why the last produce failed, if it did
         self._driver: asyncio.Task[None] | None = None
 
-    @property
-    def unparked(self) -> int:
-        """Records handed over and not parked yet."""
-        return self._handed - self._parked
-
     def start(self, rejected: Sequence[Rejected]) -> None:
         """Hand over one poll's refused records to be parked; returns at once."""
         if rejected:
@@ -76,12 +71,12 @@ class ParkingInFlight:
     async def close(self) -> None:
         """Stop parking (shutdown: what was not parked is read again by the next owner)."""
         driver, self._driver = self._driver, None
-        self._waiting.clear()
-        self._parked = self._handed
         if driver is not None:
             driver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await driver
+                await driver  # puts the batch it was parking back in line: cleared below
+        self._waiting.clear()
+        self._parked = self._handed
 
     def _drive(self) -> asyncio.Task[None]:
         """The task parking what waits (started unless one runs)."""
