@@ -9,12 +9,12 @@ does when fenced or when the store is away) is checked without a broker or a dat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 from support.engine_parts import FakeMarkersConsumer, FakeProducer, RecordingListener
+from support.waiting import until
 
 from tracker.clock import ManualClock, to_millis
 from tracker.domain.entries import State
@@ -143,15 +143,6 @@ async def test_malformed_markers_are_parked_and_the_valid_ones_around_them_appli
     assert await rig.a.store.partition_offsets(MARKERS) == {0: (1, 3)}, "nothing read again"
 
 
-async def _until(condition: Callable[[], bool], what: str) -> None:
-    """Let the loop run until ``condition`` holds (a deadline, not a guess of how long)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 5.0
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.001)
-
-
 def _invalid_counted(replica: Replica, category: str) -> float:
     value: float = replica.metrics.markers_invalid.labels(category)._value.get()
     return value
@@ -163,7 +154,7 @@ async def test_parking_overlaps_the_poll_and_no_offset_passes_an_unparked_record
     rig.a.producer.hold_acks = True  # the broker has not acknowledged the parked copy yet
     rig.write(start(1), b"\x00garbage", start(3))
     assert await rig.a.ingest.poll_once() == 3, "the poll returned with the parking in flight"
-    await _until(lambda: bool(rig.a.producer.held), "the parking produce")
+    await until(lambda: bool(rig.a.producer.held), what="the parking produce")
     draining = asyncio.create_task(rig.a.ingest.drain())
     done, _ = await asyncio.wait({draining}, timeout=0.05)
     assert not done, "the flush waits for the parked copy"
@@ -184,7 +175,7 @@ async def test_a_refused_parking_applies_nothing_past_it_and_is_parked_again() -
     rig.a.producer.hold_acks = True
     rig.write(start(1), b"\x00garbage", start(3))
     polling = asyncio.create_task(rig.a.ingest.poll_once())
-    await _until(lambda: bool(rig.a.producer.held), "the parking produce")
+    await until(lambda: bool(rig.a.producer.held), what="the parking produce")
     rig.a.producer.acknowledge(KafkaTimeoutError())
     with pytest.raises(KafkaError):
         await polling
@@ -193,7 +184,7 @@ async def test_a_refused_parking_applies_nothing_past_it_and_is_parked_again() -
     assert INVALID not in rig.a.producer.logs
     # The next poll's flush parks it again, from memory: nothing dropped, nothing read twice.
     polling = asyncio.create_task(rig.a.ingest.poll_once())
-    await _until(lambda: bool(rig.a.producer.held), "the parking to be tried again")
+    await until(lambda: bool(rig.a.producer.held), what="the parking to be tried again")
     rig.a.producer.acknowledge()
     assert await polling == 0, "nothing new was read"
     assert [value for _, value, _ in rig.a.producer.logs[INVALID]] == [b"\x00garbage"]

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.records import FakeRecord
+from support.waiting import until
 
 from tracker.client import KmqConsumer, KmqMessage, RejectMessage, RetryMessage, workers
 from tracker.client.handlers import HandlerCaller, HandlerReturnedAwaitable, is_async_handler
@@ -132,14 +133,6 @@ def pool_of(
             keepalive_s=keepalive_s,
         ),
     )
-
-
-async def until(check: Callable[[], bool], within: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not check():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 async def run_until(pool: WorkerPool, done: Callable[[], bool]) -> WorkerStats:
