@@ -20,11 +20,15 @@ from aiokafka.errors import (
 from tracker.engine.parking import LOG_EACH_PER_WINDOW, LOG_WINDOW_S, InvalidMarkerParker, Rejected
 from tracker.headers import (
     INVALID_CATEGORY,
+    INVALID_REASON,
     INVALID_SIZE,
     INVALID_SOURCE,
     INVALID_STUB,
     INVALID_TIMESTAMP,
 )
+from tracker.ids import MessageId
+from tracker.protocol import Marker, decode_marker
+from tracker.store.port import PendingMarker
 
 pytestmark = pytest.mark.unit
 
@@ -226,3 +230,72 @@ async def test_a_stub_the_broker_refuses_too_is_raised() -> None:
     with pytest.raises(InvalidTimestampError):
         await InvalidMarkerParker(broker, "m.invalid", "m").park(garbage(10, 20))
     assert broker.accepted == []
+
+
+async def test_each_parked_record_says_where_it_came_from_and_why() -> None:
+    """Headers are built per batch (one encoding per distinct reason, one prefix per markers
+    partition); each record still names its own source, reason, category and stamp."""
+    broker = FakeBroker()
+    rejected = [
+        Rejected(Consumed(p, o, b"k", b"\x7f", 1000 + o), reason, category)
+        for p, o, reason, category in [
+            (0, 7, "bad magic", "malformed"),
+            (3, 7, "bad magic", "malformed"),
+            (0, 8, "topic 'x' unknown", "unknown_topic"),
+            (0, 10_000_000_000, "bad magic", "malformed"),
+            (3, 9, "caf\u00e9 " + "x" * 3000, "malformed"),
+        ]
+    ]
+    await InvalidMarkerParker(broker, "m.invalid", "m").park(rejected)
+    parked = by_source(broker.accepted)
+    assert list(parked) == ["m/0/7", "m/3/7", "m/0/8", "m/0/10000000000", "m/3/9"]
+    for item, record in zip(rejected, parked.values(), strict=True):
+        headers = dict(record["headers"])
+        assert headers[INVALID_CATEGORY] == item.category.encode()
+        assert headers[INVALID_REASON] == item.reason.encode()[:2048]
+        assert headers[INVALID_TIMESTAMP] == str(item.record.timestamp).encode()
+
+
+async def test_a_tombstone_is_parked_as_an_empty_value_that_says_so() -> None:
+    broker = FakeBroker()
+    tombstone = Rejected(Consumed(0, 4, None, None, 5), "tombstone", "malformed")
+    await InvalidMarkerParker(broker, "m.invalid", "m").park([tombstone])
+    (record,) = broker.accepted
+    assert (record["key"], record["value"]) == (None, b"")
+    assert dict(record["headers"])[INVALID_CATEGORY + "-tombstone"] == b"1"
+
+
+def anomalies(count: int) -> list[tuple[PendingMarker, str]]:
+    return [
+        (
+            PendingMarker(Marker.ack("g", MessageId("orders", 1, 40 + i)), 1000, 2, 90 + i),
+            "no START to match",
+        )
+        for i in range(count)
+    ]
+
+
+async def test_anomalies_are_parked_in_batches_with_their_marker_and_source() -> None:
+    broker = FakeBroker()
+    await InvalidMarkerParker(broker, "m.invalid", "m").park_anomalies(anomalies(3))
+    assert broker.batches == 1, "one batch, not a send per marker"
+    parked = by_source(broker.accepted)
+    assert list(parked) == ["m/2/90", "m/2/91", "m/2/92"]
+    for i, record in enumerate(parked.values()):
+        headers = dict(record["headers"])
+        assert headers[INVALID_CATEGORY] == b"anomaly"
+        assert headers[INVALID_REASON] == b"no START to match"
+        assert decode_marker(record["value"]) == Marker.ack("g", MessageId("orders", 1, 40 + i))
+
+
+@pytest.mark.parametrize("error", [KafkaConnectionError, MessageSizeTooLargeError])
+async def test_anomalies_are_best_effort(
+    error: type[KafkaError], caplog: pytest.LogCaptureFixture
+) -> None:
+    """They are valid markers already applied: a broker that does not take them is logged,
+    and ingest goes on."""
+    caplog.set_level(logging.WARNING)
+    broker = FakeBroker(fail=error)
+    await InvalidMarkerParker(broker, "m.invalid", "m").park_anomalies(anomalies(2))
+    assert broker.accepted == []
+    assert any(error.__name__ in line for line in lines(caplog))

@@ -69,13 +69,26 @@ class Rejected:
     category: str  #: malformed | unknown_topic | wrong_partition | anomaly
 
 
-@dataclass(frozen=True, slots=True, eq=False)
 class _Parked:
-    """One record to produce to the invalid topic (compared and hashed by identity)."""
+    """One record to produce to the invalid topic (compared and hashed by identity).
 
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
+    A plain slotted class, not a frozen dataclass: one is built per refused record, and a
+    frozen dataclass's ``__init__`` costs several times as much.
+    """
+
+    __slots__ = ("headers", "key", "value")
+
+    def __init__(self, key: bytes | None, value: bytes | None, headers: list[Any]) -> None:
+        self.key = key
+        self.value = value
+        self.headers = headers
+
+
+_TOMBSTONE = (INVALID_CATEGORY + "-tombstone", b"1")
+
+
+def _reason_bytes(reason: str) -> bytes:
+    return reason.encode("utf-8", "replace")[:2048]
 
 
 #: Refused markers logged one line each per window; the rest of the window is summed up.
@@ -127,7 +140,7 @@ class InvalidMarkerParker:
     def _headers(self, category: str, reason: str, partition: int, offset: int) -> list[Any]:
         return [
             (INVALID_CATEGORY, category.encode()),
-            (INVALID_REASON, reason.encode("utf-8", "replace")[:2048]),
+            (INVALID_REASON, _reason_bytes(reason)),
             (INVALID_SOURCE, f"{self._markers_topic}/{partition}/{offset}".encode()),
         ]
 
@@ -161,19 +174,42 @@ class InvalidMarkerParker:
         self._next_partition += 1
         return int(partitions[self._next_partition % len(partitions)])
 
-    def _parked(self, item: Rejected) -> _Parked:
-        record = item.record
-        headers = self._headers(item.category, item.reason, record.partition, record.offset)
-        timestamp = getattr(record, "timestamp", None)
-        if timestamp is not None:
-            headers.append((INVALID_TIMESTAMP, str(timestamp).encode()))
-        value, key = record.value, record.key
-        if value is None and key is None:
-            # Kafka clients refuse a record with neither key nor value: park an empty
-            # value and say that it was a tombstone.
-            value = b""
-            headers.append((INVALID_CATEGORY + "-tombstone", b"1"))
-        return _Parked(key, value, headers)
+    def _build(self, rejected: Sequence[Rejected]) -> list[_Parked]:
+        """The parked records of one batch of refused markers.
+
+        Built per batch: the category and reason headers are the same for most records of a
+        poll (a producer gone wrong writes the same garbage many times), so each distinct pair
+        is encoded once and its header tuples are shared; the source header is the markers
+        partition's prefix, written once, and the offset.
+        """
+        labels: dict[tuple[str, str], tuple[tuple[str, bytes], tuple[str, bytes]]] = {}
+        prefixes: dict[int, bytes] = {}
+        markers_topic = self._markers_topic
+        parked: list[_Parked] = []
+        for item in rejected:
+            record = item.record
+            label = labels.get((item.category, item.reason))
+            if label is None:
+                label = labels[item.category, item.reason] = (
+                    (INVALID_CATEGORY, item.category.encode()),
+                    (INVALID_REASON, _reason_bytes(item.reason)),
+                )
+            partition = record.partition
+            prefix = prefixes.get(partition)
+            if prefix is None:
+                prefix = prefixes[partition] = f"{markers_topic}/{partition}/".encode()
+            headers: list[Any] = [*label, (INVALID_SOURCE, prefix + b"%d" % record.offset)]
+            timestamp = getattr(record, "timestamp", None)
+            if timestamp is not None:
+                headers.append((INVALID_TIMESTAMP, b"%d" % timestamp))
+            value, key = record.value, record.key
+            if value is None and key is None:
+                # Kafka clients refuse a record with neither key nor value: park an empty
+                # value and say that it was a tombstone.
+                value = b""
+                headers.append(_TOMBSTONE)
+            parked.append(_Parked(key, value, headers))
+        return parked
 
     async def park(self, rejected: Sequence[Rejected]) -> None:
         """Produce the raw records and wait for the broker; raises ``KafkaError`` if it fails.
@@ -187,7 +223,7 @@ class InvalidMarkerParker:
             return
         self._log(rejected)
         partition = await self._partition()
-        parked = [self._parked(item) for item in rejected]
+        parked = self._build(rejected)
         refused = await self._send_batches(parked, partition)
         if not refused:
             return
@@ -235,13 +271,13 @@ class InvalidMarkerParker:
         members: list[_Parked] = []
         batch = producer.create_batch()
         for one in parked:
-            record = {"key": one.key, "value": one.value, "timestamp": None, "headers": one.headers}
-            if batch.append(**record) is None:
+            key, value, headers = one.key, one.value, one.headers
+            if batch.append(key=key, value=value, timestamp=None, headers=headers) is None:
                 batch.close()
                 sent.append((members, await producer.send_batch(batch, topic, partition=partition)))
                 members, batch = [], producer.create_batch()
                 # The first record of an empty batch is always taken, whatever its size.
-                batch.append(**record)
+                batch.append(key=key, value=value, timestamp=None, headers=headers)
             members.append(one)
         batch.close()  # complete: sent without lingering
         sent.append((members, await producer.send_batch(batch, topic, partition=partition)))
@@ -255,18 +291,30 @@ class InvalidMarkerParker:
         return refused
 
     async def park_anomalies(self, anomalies: Sequence[tuple[PendingMarker, str]]) -> None:
-        """Best effort: these markers are valid and already accounted for in the store."""
+        """Best effort: these markers are valid and already accounted for in the store.
+
+        Produced as whole batches like the refused markers (not one ``send`` each); a batch
+        the broker refuses is logged, not retried: nothing depends on these copies.
+        """
+        if not anomalies:
+            return
+        parked = [
+            _Parked(
+                None,
+                encode_any(pending.marker),
+                self._headers("anomaly", why, pending.markers_partition, pending.markers_offset),
+            )
+            for pending, why in anomalies
+        ]
         try:
-            futures = [
-                await self._producer.send(
-                    self._topic,
-                    value=encode_any(pending.marker),
-                    headers=self._headers(
-                        "anomaly", why, pending.markers_partition, pending.markers_offset
-                    ),
-                )
-                for pending, why in anomalies
-            ]
-            await asyncio.gather(*futures)
+            refused = await self._send_batches(parked, await self._partition())
         except KafkaError as exc:
             log.warning("could not park %d marker anomalies: %r", len(anomalies), exc)
+            return
+        if refused:
+            log.warning(
+                "the broker refused %d of %d marker anomalies: %r",
+                len(refused),
+                len(anomalies),
+                next(iter(refused.values())),
+            )
