@@ -87,8 +87,31 @@ class _Parked:
 _TOMBSTONE = (INVALID_CATEGORY + "-tombstone", b"1")
 
 
-def _reason_bytes(reason: str) -> bytes:
-    return reason.encode("utf-8", "replace")[:2048]
+class _ParkedHeaders:
+    """The headers that say where a parked record came from and why, built for one batch.
+
+    The category and reason are the same for most records of a batch (a producer gone wrong
+    writes the same garbage many times): each distinct pair is encoded once and its header
+    tuples are shared. The source is the markers partition's prefix, written once, and the
+    offset.
+    """
+
+    def __init__(self, markers_topic: str) -> None:
+        self._markers_topic = markers_topic
+        self._labels: dict[tuple[str, str], tuple[tuple[str, bytes], tuple[str, bytes]]] = {}
+        self._prefixes: dict[int, bytes] = {}
+
+    def of(self, category: str, reason: str, partition: int, offset: int) -> list[Any]:
+        label = self._labels.get((category, reason))
+        if label is None:
+            label = self._labels[category, reason] = (
+                (INVALID_CATEGORY, category.encode()),
+                (INVALID_REASON, reason.encode("utf-8", "replace")[:2048]),
+            )
+        prefix = self._prefixes.get(partition)
+        if prefix is None:
+            prefix = self._prefixes[partition] = f"{self._markers_topic}/{partition}/".encode()
+        return [*label, (INVALID_SOURCE, prefix + b"%d" % offset)]
 
 
 #: Refused markers logged one line each per window; the rest of the window is summed up.
@@ -137,13 +160,6 @@ class InvalidMarkerParker:
         self._log_budget = _LogBudget(LOG_EACH_PER_WINDOW, LOG_WINDOW_S, clock)
         self._next_partition = 0
 
-    def _headers(self, category: str, reason: str, partition: int, offset: int) -> list[Any]:
-        return [
-            (INVALID_CATEGORY, category.encode()),
-            (INVALID_REASON, _reason_bytes(reason)),
-            (INVALID_SOURCE, f"{self._markers_topic}/{partition}/{offset}".encode()),
-        ]
-
     def _log(self, rejected: Sequence[Rejected]) -> None:
         unlogged: Counter[str] = Counter()
         for item in rejected:
@@ -175,30 +191,12 @@ class InvalidMarkerParker:
         return int(partitions[self._next_partition % len(partitions)])
 
     def _build(self, rejected: Sequence[Rejected]) -> list[_Parked]:
-        """The parked records of one batch of refused markers.
-
-        Built per batch: the category and reason headers are the same for most records of a
-        poll (a producer gone wrong writes the same garbage many times), so each distinct pair
-        is encoded once and its header tuples are shared; the source header is the markers
-        partition's prefix, written once, and the offset.
-        """
-        labels: dict[tuple[str, str], tuple[tuple[str, bytes], tuple[str, bytes]]] = {}
-        prefixes: dict[int, bytes] = {}
-        markers_topic = self._markers_topic
+        """The parked records of one batch of refused markers (headers built per batch)."""
+        headers_of = _ParkedHeaders(self._markers_topic).of
         parked: list[_Parked] = []
         for item in rejected:
             record = item.record
-            label = labels.get((item.category, item.reason))
-            if label is None:
-                label = labels[item.category, item.reason] = (
-                    (INVALID_CATEGORY, item.category.encode()),
-                    (INVALID_REASON, _reason_bytes(item.reason)),
-                )
-            partition = record.partition
-            prefix = prefixes.get(partition)
-            if prefix is None:
-                prefix = prefixes[partition] = f"{markers_topic}/{partition}/".encode()
-            headers: list[Any] = [*label, (INVALID_SOURCE, prefix + b"%d" % record.offset)]
+            headers = headers_of(item.category, item.reason, record.partition, record.offset)
             timestamp = getattr(record, "timestamp", None)
             if timestamp is not None:
                 headers.append((INVALID_TIMESTAMP, b"%d" % timestamp))
@@ -298,11 +296,12 @@ class InvalidMarkerParker:
         """
         if not anomalies:
             return
+        headers_of = _ParkedHeaders(self._markers_topic).of
         parked = [
             _Parked(
                 None,
                 encode_any(pending.marker),
-                self._headers("anomaly", why, pending.markers_partition, pending.markers_offset),
+                headers_of("anomaly", why, pending.markers_partition, pending.markers_offset),
             )
             for pending, why in anomalies
         ]
