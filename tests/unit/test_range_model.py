@@ -10,23 +10,27 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.range_model import (
     GROUP,
     MARKERS_PARTITION,
     PARTITION,
     TOPIC,
+    as_v1,
     markers_strategy,
     policy,
+    range_markers,
     reference,
+    single_markers,
     steps_with_times,
 )
 
-from tracker.domain.entries import State, entry_key, plan_due
+from tracker.domain.entries import Entry, State, apply_marker, entry_key, plan_due
 from tracker.domain.ranges import LaneMarker, LaneState, expand, fold_lane
 from tracker.domain.tracked_range import TrackedRange
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
-from tracker.protocol_v2 import RangeMarker
+from tracker.protocol_v2 import RangeKind, RangeMarker
 
 pytestmark = pytest.mark.unit
 
@@ -65,6 +69,131 @@ def test_one_fold_of_many_markers_equals_one_by_one(drawn: list[tuple[AnyMarker,
     fold_lane(state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in steps], policy)
     check_state(state)
     assert expand(state) == reference(steps)
+
+
+@st.composite
+def v1_flushes(draw: st.DrawFn) -> list[tuple[AnyMarker, int]]:
+    """v1 markers in which many STARTs are followed, some markers later, by their ACK (and
+    now and then a range marker in between)."""
+    kinds: st.SearchStrategy[AnyMarker] = single_markers()
+    mixed = draw(st.booleans())
+    if mixed:
+        kinds = st.one_of(single_markers(), single_markers(), range_markers())
+    drawn: list[tuple[AnyMarker, int]] = draw(
+        st.lists(st.tuples(kinds, st.integers(0, 50)), max_size=30)
+    )
+    for i in reversed(range(len(drawn))):
+        marker = drawn[i][0]
+        if isinstance(marker, Marker) and marker.kind.name == "START" and draw(st.booleans()):
+            ack = Marker.ack(GROUP, marker.message, attempt=marker.attempt, origin=marker.origin)
+            at = draw(st.integers(i + 1, len(drawn)))
+            drawn.insert(at, (ack, draw(st.integers(0, 50))))
+            if mixed and draw(st.booleans()):  # a range marker between the two, over them
+                between = draw(st.integers(i + 1, at))
+                drawn.insert(between, (draw(range_over(marker.origin_offset)), 0))
+    return drawn
+
+
+@st.composite
+def range_over(draw: st.DrawFn, offset: int) -> RangeMarker:
+    """A range marker of any kind whose span covers ``offset``."""
+    first = draw(st.integers(max(0, offset - 8), offset))
+    last = draw(st.integers(offset, offset + 8))
+    kind = draw(st.sampled_from(RangeKind))
+    timeout = 60_000 if kind is RangeKind.RANGE_EXTEND else 0
+    return RangeMarker(kind, GROUP, TOPIC, PARTITION, first, last, 0, timeout, "c3")
+
+
+def reference_anomalies(
+    entries: dict[int, Entry], steps: list[tuple[AnyMarker, int]]
+) -> list[tuple[int, str | None]]:
+    """The anomalies of ``steps`` applied one by one to ``entries`` (modified), as v1 says:
+    a v1 marker's own; for a range SETTLE or EXTEND, that an offset it covers had no entry
+    (``None``: the fold words it per range)."""
+    out: list[tuple[int, str | None]] = []
+    for index, (marker, ref) in enumerate(steps):
+        if isinstance(marker, RangeMarker):
+            missing = any(entries.get(m.offset) is None for m in marker.messages())
+            for single in as_v1(marker):
+                after, _ = apply_marker(
+                    entries.get(single.origin_offset), single, ref, MARKERS_PARTITION, policy
+                )
+                if after is None:
+                    entries.pop(single.origin_offset, None)
+                else:
+                    entries[single.origin_offset] = after
+            if missing and marker.kind is not RangeKind.RANGE_START:
+                out.append((index, None))
+            continue
+        offset = marker.origin_offset
+        after, why = apply_marker(entries.get(offset), marker, ref, MARKERS_PARTITION, policy)
+        if after is None:
+            entries.pop(offset, None)
+        else:
+            entries[offset] = after
+        if why is not None:
+            out.append((index, why))
+    return out
+
+
+#: what the lane holds before the flush: a few markers, so that many offsets hold nothing
+few_markers = st.lists(
+    st.tuples(st.one_of(range_markers(), single_markers()), st.integers(0, 50)), max_size=8
+)
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(few_markers, v1_flushes())
+def test_a_flush_of_v1_markers_folds_as_one_by_one(
+    before: list[tuple[AnyMarker, int]], drawn: list[tuple[AnyMarker, int]]
+) -> None:
+    """A flush of v1 markers on a lane that already holds entries and ranges: the fold
+    settles a START and its ACK without making an entry (``settled_starts``) where the lane
+    holds nothing for the offset; what it leaves and every anomaly it reports must be v1's,
+    marker by marker."""
+    steps = steps_with_times(before + drawn)
+    prefix, flush = steps[: len(before)], steps[len(before) :]
+    state = LaneState({}, [])
+    for marker, ref in prefix:
+        fold_lane(state, [LaneMarker(marker, ref, MARKERS_PARTITION)], policy)
+    anomalies = fold_lane(
+        state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in flush], policy
+    )
+    check_state(state)
+    assert expand(state) == reference(steps)
+    ranges = {i for i, (m, _) in enumerate(flush) if isinstance(m, RangeMarker)}
+    got = [(i, None if i in ranges else why) for i, why in anomalies]
+    assert got == reference_anomalies(reference(prefix), flush)
+
+
+def test_a_start_and_its_ack_on_nothing_make_no_entry() -> None:
+    """The common case of an acked v1 workload costs no entry per message."""
+    steps: list[AnyMarker] = []
+    for offset in range(100, 110):
+        message = MessageId(TOPIC, PARTITION, offset)
+        steps += [Marker.start(GROUP, message, consumer="c1"), Marker.ack(GROUP, message)]
+    state = LaneState({}, [])
+    anomalies = fold_lane(
+        state, [LaneMarker(m, 1000 + i, MARKERS_PARTITION) for i, m in enumerate(steps)], policy
+    )
+    assert (state.entries, state.ranges, anomalies) == ({}, [], [])
+
+
+def test_a_start_and_its_ack_of_an_older_attempt_are_both_stale() -> None:
+    origin = MessageId(TOPIC, PARTITION, 7)
+    copy = MessageId(TOPIC, 0, 900)
+    retried = Marker.start(GROUP, copy, attempt=2, origin=origin, consumer="c1")
+    state = LaneState({}, [])
+    fold_lane(state, [LaneMarker(retried, 1000, MARKERS_PARTITION)], policy)
+    steps = [Marker.start(GROUP, origin, consumer="c2"), Marker.ack(GROUP, origin)]
+    anomalies = fold_lane(
+        state, [LaneMarker(m, 2000 + i, MARKERS_PARTITION) for i, m in enumerate(steps)], policy
+    )
+    assert [index for index, _ in anomalies] == [0, 1]
+    assert all(why.startswith("stale") for _, why in anomalies)
+    entry = state.entries[7]
+    assert entry is not None
+    assert (entry.attempt, entry.consumer) == (2, "c1")
 
 
 def test_a_batch_started_and_settled_leaves_nothing() -> None:

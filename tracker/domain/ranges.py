@@ -26,19 +26,36 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Protocol, cast
 
 from tracker.domain.entries import Entry, apply_marker
 from tracker.domain.policy import PolicyLookup
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
 from tracker.ids import MessageId
-from tracker.protocol import AnyMarker, Marker
+from tracker.protocol import AnyMarker, Marker, MarkerKind
 from tracker.protocol_v2 import RangeKind, RangeMarker
+
+
+class FoldInput(Protocol):
+    """What the fold needs of a marker: the marker, its reference time, its markers partition.
+
+    The stores pass the markers they were given as they are (``PendingMarker``), not a copy per
+    marker: a flush of an acked v1 workload holds ~100k of them.
+    """
+
+    @property
+    def marker(self) -> AnyMarker: ...
+
+    @property
+    def ref_ms(self) -> int: ...
+
+    @property
+    def markers_partition(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
 class LaneMarker:
-    """A marker of one lane with what the fold needs: its reference time and markers partition."""
+    """A marker of one lane with what the fold needs (a :class:`FoldInput` of its own)."""
 
     marker: AnyMarker
     ref_ms: int
@@ -69,22 +86,73 @@ def touched(marker: AnyMarker) -> tuple[int, int]:
 
 
 def fold_lane(
-    state: LaneState, markers: Sequence[LaneMarker], policy_for: PolicyLookup
+    state: LaneState, markers: Sequence[FoldInput], policy_for: PolicyLookup
 ) -> list[tuple[int, str]]:
     """Apply ``markers`` (in order) to ``state`` in place; return ``(index, anomaly)`` pairs.
 
     ``state`` must hold every entry and range that the markers' spans (:func:`touched`) reach.
+    A v1 START and the ACK that settles it (:func:`settled_starts`) fold to nothing without an
+    entry in between where the store holds nothing for their offset, the common case of a
+    consumer that acks within the coalescing window.
     """
     anomalies: list[tuple[int, str]] = []
+    settles = settled_starts(markers)
+    skipped: set[int] = set()
     for index, item in enumerate(markers):
         marker = item.marker
         if type(marker) is RangeMarker:
             why = _fold_range(state, marker, item, policy_for)
         else:
+            if settles:
+                if index in skipped:
+                    continue
+                ack = settles.get(index)
+                if ack is not None and _holds_nothing(state, cast(Marker, marker).origin_offset):
+                    # START then ACK of the same attempt on nothing: no entry before, none after.
+                    skipped.add(ack)
+                    continue
             why = _fold_single(state, cast(Marker, marker), item, policy_for)
         if why is not None:
             anomalies.append((index, why))
     return anomalies
+
+
+def settled_starts(markers: Sequence[FoldInput]) -> dict[int, int]:
+    """``{index of a v1 START: index of its ACK}``, for each START whose offset's next marker
+    in ``markers`` (one lane's, in order) is an ACK of the same attempt.
+
+    Such a pair leaves exactly what an ACK alone on the state before the START would, when
+    that state holds no entry and no range for the offset (the fold checks that when it
+    reaches the START): the START makes an entry, the ACK removes it, neither is an anomaly.
+    A range marker can reach any offset between the two, so a lane with range markers in the
+    flush folds marker by marker (``{}``).
+    """
+    started: dict[int, int] = {}  # offset -> index of a START not followed yet for it
+    settles: dict[int, int] = {}
+    start, ack = MarkerKind.START, MarkerKind.ACK
+    for index, item in enumerate(markers):
+        marker = item.marker
+        if type(marker) is RangeMarker:
+            return {}
+        single = cast(Marker, marker)
+        offset = single.origin_offset
+        kind = single.kind
+        before = started.pop(offset, None)
+        if (
+            before is not None
+            and kind is ack
+            and single.attempt == cast(Marker, markers[before].marker).attempt
+        ):
+            settles[before] = index
+        if kind is start:
+            started[offset] = index
+    return settles
+
+
+def _holds_nothing(state: LaneState, offset: int) -> bool:
+    if state.entries.get(offset) is not None:
+        return False
+    return not state.ranges or _holder(state, offset) is None
 
 
 @dataclass(slots=True)
@@ -114,7 +182,7 @@ class LaneChanges:
 def fold_lane_changes(
     entries: Mapping[int, Entry],
     ranges: Sequence[TrackedRange],
-    markers: Sequence[LaneMarker],
+    markers: Sequence[FoldInput],
     policy_for: PolicyLookup,
 ) -> LaneChanges:
     """Fold ``markers`` (of one lane) into the lane's ``entries`` (by origin offset) and
@@ -165,7 +233,7 @@ def _take_from_range(state: LaneState, tracked: TrackedRange, offset: int) -> En
 
 
 def _fold_single(
-    state: LaneState, marker: Marker, item: LaneMarker, policy_for: PolicyLookup
+    state: LaneState, marker: Marker, item: FoldInput, policy_for: PolicyLookup
 ) -> str | None:
     offset = marker.origin_offset
     entry = state.entries.get(offset)
@@ -180,7 +248,7 @@ def _fold_single(
 
 
 def _fold_range(
-    state: LaneState, marker: RangeMarker, item: LaneMarker, policy_for: PolicyLookup
+    state: LaneState, marker: RangeMarker, item: FoldInput, policy_for: PolicyLookup
 ) -> str | None:
     base = marker.first_offset
     last = marker.last_offset
@@ -233,7 +301,7 @@ def _start(
     state: LaneState,
     marker: RangeMarker,
     covered: int,
-    item: LaneMarker,
+    item: FoldInput,
     policy_for: PolicyLookup,
 ) -> None:
     """A RANGE_START over ``covered`` offsets that have no per-message entry."""
@@ -307,10 +375,12 @@ def expand(state: LaneState) -> dict[int, Entry]:
 
 
 __all__ = [
+    "FoldInput",
     "LaneMarker",
     "LaneState",
     "expand",
     "fold_lane",
     "lane_of",
+    "settled_starts",
     "touched",
 ]

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.ranges import LaneMarker, fold_lane_changes, lane_of, touched
+from tracker.domain.ranges import fold_lane_changes, lane_of
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, LaneKey, RangeKey, TrackedRange
 from tracker.protocol import RangeMarker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
@@ -47,6 +47,9 @@ from .tables import (
 
 #: lanes (or spans) per statement of the range-aware loads
 _LANE_CHUNK = 100
+#: v1 markers' offsets of a lane less than this apart are read as one span: up to this many
+#: rows no marker names may be read per gap, in exchange for one index walk instead of many
+KEY_SPAN_GAP = 16
 #: how the open offsets of a tracked range are counted (tracker.store.counts)
 IN_FLIGHT = State.IN_FLIGHT.value
 
@@ -123,7 +126,7 @@ class MarkerApply(PartitionOwnership):
                 changes = fold_lane_changes(
                     entries.get(lane, {}),
                     list(ranges.get(lane, {}).values()),
-                    [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
+                    pendings,
                     policy_for,
                 )
                 result.anomalies += [(pendings[i], why) for i, why in changes.anomalies]
@@ -180,21 +183,36 @@ class MarkerApply(PartitionOwnership):
     async def _load_lanes(
         self, conn: AsyncConnection, lanes: dict[LaneKey, list[PendingMarker]]
     ) -> tuple[dict[LaneKey, dict[int, Entry]], dict[LaneKey, dict[RangeKey, TrackedRange]]]:
-        """Everything the lanes' markers can reach, per lane: entries by origin offset (by key
-        and in the ranges' spans) and the tracked ranges overlapping what they touch."""
-        keys: list[EntryKey] = []
-        spans: list[tuple[LaneKey, int, int]] = []
-        reach: list[tuple[LaneKey, int, int]] = []  #: every offset a marker touches
+        """Everything the lanes' markers can reach, per lane: entries at the offsets they touch
+        and the tracked ranges overlapping those.
+
+        Entries are read per *span* of a lane, not per key: a flush's v1 markers name runs of
+        neighbouring offsets (a consumer's batches), so the offsets of a lane merge into a few
+        spans (:data:`KEY_SPAN_GAP`) and each span is one walk of the primary key, with no
+        parameter per offset. Rows in a span that no v1 marker names and no range marker
+        covers are dropped here (the fold would compare each with itself).
+        """
+        singles: dict[LaneKey, set[int]] = defaultdict(set)
+        spans: list[tuple[LaneKey, int, int]] = []  #: range markers' spans: every row counts
         for lane, pendings in lanes.items():
+            offsets = singles[lane]
             for pending in pendings:
-                first, last = touched(pending.marker)
-                if isinstance(pending.marker, RangeMarker):
-                    spans.append((lane, first, last))
+                marker = pending.marker
+                if isinstance(marker, RangeMarker):
+                    spans.append((lane, marker.first_offset, marker.last_offset))
                 else:
-                    keys.append((*lane, first))
-                reach.append((lane, first, last))
-        loaded = await self._load(conn, list(dict.fromkeys(keys))) if keys else {}
-        for span_chunk in chunks(merge_spans(spans), _LANE_CHUNK):
+                    offsets.add(marker.origin_offset)
+        single_spans = [
+            span
+            for lane, offsets in singles.items()
+            for span in offset_spans(lane, sorted(offsets), KEY_SPAN_GAP)
+        ]
+        covered = merge_spans(spans)
+        covered_by_lane: dict[LaneKey, list[tuple[int, int]]] = defaultdict(list)
+        for lane, a, b in covered:
+            covered_by_lane[lane].append((a, b))
+        entries: dict[LaneKey, dict[int, Entry]] = defaultdict(dict)
+        for span_chunk in chunks(merge_spans(single_spans + covered), _LANE_CHUNK):
             columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
             rows = await conn.execute(
                 select(*columns).where(
@@ -213,7 +231,13 @@ class MarkerApply(PartitionOwnership):
             )
             for row in rows:
                 entry = entry_from_values(row)
-                loaded[entry.key] = entry
+                lane = (entry.group_id, entry.origin_topic, entry.origin_partition)
+                offset = entry.origin_offset
+                if offset in singles[lane] or any(
+                    a <= offset <= b for a, b in covered_by_lane.get(lane, ())
+                ):
+                    entries[lane][offset] = entry
+        reach = single_spans + covered  #: every offset a marker touches, and a few between
         found_ranges: dict[LaneKey, dict[RangeKey, TrackedRange]] = defaultdict(dict)
         columns = [ranges_table.c[name] for name in RANGE_COLUMN_NAMES]
         for lane_chunk in chunks(merge_spans(reach, MAX_RANGE_WIDTH), _LANE_CHUNK):
@@ -225,7 +249,20 @@ class MarkerApply(PartitionOwnership):
             for row in rows:
                 tracked_range = TrackedRange.from_row(row)
                 found_ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
-        entries: dict[LaneKey, dict[int, Entry]] = defaultdict(dict)
-        for key, entry in loaded.items():
-            entries[key[:3]][key[3]] = entry
         return entries, found_ranges
+
+
+def offset_spans(lane: LaneKey, offsets: Sequence[int], gap: int) -> list[tuple[LaneKey, int, int]]:
+    """Sorted ``offsets`` of ``lane`` as spans, neighbours less than ``gap`` apart merged."""
+    out: list[tuple[LaneKey, int, int]] = []
+    first = last = -1
+    for offset in offsets:
+        if first >= 0 and offset - last < gap:
+            last = offset
+            continue
+        if first >= 0:
+            out.append((lane, first, last))
+        first = last = offset
+    if first >= 0:
+        out.append((lane, first, last))
+    return out

@@ -23,7 +23,7 @@ from typing import Any
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.ranges import LaneMarker, fold_lane_changes, lane_of, touched
+from tracker.domain.ranges import fold_lane_changes, lane_of, touched
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
 from tracker.protocol import RangeMarker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
@@ -151,7 +151,7 @@ class InMemoryStore:
                     fold_lane_changes(
                         self._entries_reached(lane, pendings),
                         self._ranges_reached(lane, pendings),
-                        [LaneMarker(p.marker, p.ref_ms, p.markers_partition) for p in pendings],
+                        pendings,
                         policy_for,
                     ),
                 )
