@@ -56,13 +56,19 @@ def reference(steps: Iterable[tuple[AnyMarker, int]]) -> dict[int, Entry]:
     entries: dict[int, Entry] = {}
     for marker, ref in steps:
         for single in as_v1(marker):
-            offset = single.origin_offset
-            after, _ = apply_marker(entries.get(offset), single, ref, MARKERS_PARTITION, policy)
-            if after is None:
-                entries.pop(offset, None)
-            else:
-                entries[offset] = after
+            reference_step(entries, single, ref)
     return entries
+
+
+def reference_step(entries: dict[int, Entry], single: Marker, ref: int) -> str | None:
+    """Apply one v1 marker to ``entries`` (by origin offset) as v1 does; its anomaly, if any."""
+    offset = single.origin_offset
+    after, why = apply_marker(entries.get(offset), single, ref, MARKERS_PARTITION, policy)
+    if after is None:
+        entries.pop(offset, None)
+    else:
+        entries[offset] = after
+    return why
 
 
 @st.composite

@@ -21,11 +21,12 @@ from support.range_model import (
     policy,
     range_markers,
     reference,
+    reference_step,
     single_markers,
     steps_with_times,
 )
 
-from tracker.domain.entries import Entry, State, apply_marker, entry_key, plan_due
+from tracker.domain.entries import Entry, State, entry_key, plan_due
 from tracker.domain.ranges import LaneMarker, LaneState, expand, fold_lane
 from tracker.domain.tracked_range import TrackedRange
 from tracker.ids import MessageId
@@ -115,22 +116,11 @@ def reference_anomalies(
         if isinstance(marker, RangeMarker):
             missing = any(entries.get(m.offset) is None for m in marker.messages())
             for single in as_v1(marker):
-                after, _ = apply_marker(
-                    entries.get(single.origin_offset), single, ref, MARKERS_PARTITION, policy
-                )
-                if after is None:
-                    entries.pop(single.origin_offset, None)
-                else:
-                    entries[single.origin_offset] = after
+                reference_step(entries, single, ref)
             if missing and marker.kind is not RangeKind.RANGE_START:
                 out.append((index, None))
             continue
-        offset = marker.origin_offset
-        after, why = apply_marker(entries.get(offset), marker, ref, MARKERS_PARTITION, policy)
-        if after is None:
-            entries.pop(offset, None)
-        else:
-            entries[offset] = after
+        why = reference_step(entries, marker, ref)
         if why is not None:
             out.append((index, why))
     return out
