@@ -47,9 +47,9 @@ from .tables import (
 
 #: lanes (or spans) per statement of the range-aware loads
 _LANE_CHUNK = 100
-#: v1 markers' offsets of a lane less than this apart are read as one span: up to this many
+#: v1 markers' offsets of a lane at most this far apart are read as one span: up to this many
 #: rows no marker names may be read per gap, in exchange for one index walk instead of many
-KEY_SPAN_GAP = 16
+KEY_SPAN_GAP = 15
 #: how the open offsets of a tracked range are counted (tracker.store.counts)
 IN_FLIGHT = State.IN_FLIGHT.value
 
@@ -57,15 +57,34 @@ IN_FLIGHT = State.IN_FLIGHT.value
 def merge_spans(
     spans: Iterable[tuple[LaneKey, int, int]], gap: int = 1
 ) -> list[tuple[LaneKey, int, int]]:
-    """Spans of one lane merged where less than ``gap`` apart (fewer, simpler queries)."""
+    """Spans merged per lane where one starts at most ``gap`` after the one before it ends
+    (fewer, simpler queries); sorted by lane and first offset."""
+    by_lane: dict[LaneKey, list[tuple[int, int]]] = defaultdict(list)
+    for lane, first, last in spans:
+        by_lane[lane].append((first, last))
     merged: list[tuple[LaneKey, int, int]] = []
-    for lane, first, last in sorted(spans):
-        if merged and merged[-1][0] == lane and first <= merged[-1][2] + gap:
-            if last > merged[-1][2]:
-                merged[-1] = (lane, merged[-1][1], last)
-        else:
-            merged.append((lane, first, last))
+    for lane in sorted(by_lane):
+        merged += lane_spans(lane, sorted(by_lane[lane]), gap)
     return merged
+
+
+def lane_spans(
+    lane: LaneKey, spans: Iterable[tuple[int, int]], gap: int
+) -> list[tuple[LaneKey, int, int]]:
+    """One lane's ``(first, last)`` spans, sorted, merged where one starts at most ``gap``
+    after the one before it ends."""
+    out: list[tuple[LaneKey, int, int]] = []
+    start = end = -1
+    for first, last in spans:
+        if end >= 0 and first <= end + gap:
+            end = max(end, last)
+            continue
+        if end >= 0:
+            out.append((lane, start, end))
+        start, end = first, last
+    if end >= 0:
+        out.append((lane, start, end))
+    return out
 
 
 class MarkerApply(PartitionOwnership):
@@ -205,7 +224,7 @@ class MarkerApply(PartitionOwnership):
         single_spans = [
             span
             for lane, offsets in singles.items()
-            for span in offset_spans(lane, sorted(offsets), KEY_SPAN_GAP)
+            for span in lane_spans(lane, ((o, o) for o in sorted(offsets)), KEY_SPAN_GAP)
         ]
         covered = merge_spans(spans)
         covered_by_lane: dict[LaneKey, list[tuple[int, int]]] = defaultdict(list)
@@ -250,19 +269,3 @@ class MarkerApply(PartitionOwnership):
                 tracked_range = TrackedRange.from_row(row)
                 found_ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
         return entries, found_ranges
-
-
-def offset_spans(lane: LaneKey, offsets: Sequence[int], gap: int) -> list[tuple[LaneKey, int, int]]:
-    """Sorted ``offsets`` of ``lane`` as spans, neighbours less than ``gap`` apart merged."""
-    out: list[tuple[LaneKey, int, int]] = []
-    first = last = -1
-    for offset in offsets:
-        if first >= 0 and offset - last < gap:
-            last = offset
-            continue
-        if first >= 0:
-            out.append((lane, first, last))
-        first = last = offset
-    if first >= 0:
-        out.append((lane, first, last))
-    return out
