@@ -97,7 +97,7 @@ async def sort(
     """``(markers accepted, (category, reason, offset) of each refused record)``."""
     records = [Record(partition, offset, value) for offset, value in enumerate(values)]
     out = await ingest._sort(partition, PartitionReading(epoch=1), records)
-    accepted = [pending.marker for _, pending in out.accepted if isinstance(pending.marker, Marker)]
+    accepted = [pending.marker for pending in out.accepted if isinstance(pending.marker, Marker)]
     rejected = [(r.category, r.reason, r.record.offset) for r in out.rejected]
     return accepted, rejected
 

@@ -2,8 +2,14 @@
 
 Markers read but not yet applied to the store are invisible to the store's due claims, so
 redelivery asks ingest about the entries it is about to act on (``pending_keys``) and leaves
-those for later. Ingest counts every marker into this index when it queues it and out when it
-applies or drops it: v1 markers per entry key, v2 range markers per lane and span.
+those for later. Ingest registers every polled batch here when it queues it and takes it out
+when it applies or drops it.
+
+Registering is O(1) per batch: most batches leave the window before anyone asks (redelivery
+asks only when a claim found due entries), so their markers are counted per key only when
+``pending_keys`` is called, and only once: v1 markers per entry key, v2 range markers per lane
+and span. Counting every marker in and out on the hot path cost more than a third of acked
+ingest's time in the window (docs/benchmarks.md, change 37).
 """
 
 from __future__ import annotations
@@ -14,23 +20,47 @@ from collections.abc import Iterable
 from tracker.domain.entries import EntryKey
 from tracker.domain.ranges import lane_of, touched
 from tracker.domain.tracked_range import LaneKey
-from tracker.protocol import AnyMarker, RangeMarker
+from tracker.engine.partition_reading import PendingBatch
+from tracker.protocol import RangeMarker
 
 
 class CoalescingIndex:
-    """Counts of the markers waiting in the coalescing window, per entry key and per span."""
+    """The batches in the coalescing window, with their markers counted per key on demand."""
 
     def __init__(self) -> None:
-        #: v1 markers waiting in the coalescing window, per entry key
+        #: batches queued and not counted yet
+        self._unindexed: set[PendingBatch] = set()
+        #: batches whose markers are counted in ``_pending_keys`` / ``_pending_spans``
+        self._indexed: set[PendingBatch] = set()
+        #: v1 markers of the indexed batches, per entry key
         self._pending_keys: Counter[EntryKey] = Counter()
-        #: v2 range markers waiting in the coalescing window, per lane and span
+        #: v2 range markers of the indexed batches, per lane and span
         self._pending_spans: dict[LaneKey, Counter[tuple[int, int]]] = {}
+
+    def add(self, batch: PendingBatch) -> None:
+        """``batch`` entered the window."""
+        self._unindexed.add(batch)
+
+    def remove(self, batch: PendingBatch) -> None:
+        """``batch`` left the window (applied, or its partition dropped)."""
+        if batch in self._indexed:
+            self._indexed.discard(batch)
+            self._count(batch, -1)
+        else:
+            self._unindexed.discard(batch)
 
     def pending_keys(self, keys: Iterable[EntryKey]) -> set[EntryKey]:
         """The keys among ``keys`` that have markers waiting in the coalescing window."""
+        asked = list(keys)
+        if not asked:
+            return set()
+        while self._unindexed:
+            batch = self._unindexed.pop()
+            self._count(batch, 1)
+            self._indexed.add(batch)
         pending, lanes = self._pending_keys, self._pending_spans
         found: set[EntryKey] = set()
-        for key in keys:
+        for key in asked:
             if key in pending:
                 found.add(key)
             elif lanes:
@@ -39,16 +69,27 @@ class CoalescingIndex:
                     found.add(key)
         return found
 
-    def hold(self, marker: AnyMarker, delta: int) -> None:
-        """Count ``marker`` in (``delta`` 1) or out of (-1) the coalescing window."""
-        if not isinstance(marker, RangeMarker):
-            key = (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset)
-            left = self._pending_keys[key] + delta
-            if left > 0:
-                self._pending_keys[key] = left
+    def _count(self, batch: PendingBatch, delta: int) -> None:
+        """Count ``batch``'s markers in (``delta`` 1) or out of (-1) the index."""
+        keys = self._pending_keys
+        v1: list[EntryKey] = []
+        for pending in batch.markers:
+            m = pending.marker
+            if isinstance(m, RangeMarker):
+                self._count_span(m, delta)
             else:
-                del self._pending_keys[key]
+                v1.append((m.group, m.origin_topic, m.origin_partition, m.origin_offset))
+        if delta > 0:
+            keys.update(v1)
             return
+        for key in v1:
+            left = keys[key] - 1
+            if left > 0:
+                keys[key] = left
+            else:
+                del keys[key]
+
+    def _count_span(self, marker: RangeMarker, delta: int) -> None:
         lane = lane_of(marker)
         span = touched(marker)
         spans = self._pending_spans.get(lane)

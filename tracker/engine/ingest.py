@@ -25,6 +25,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 from aiokafka.abc import ConsumerRebalanceListener
@@ -41,7 +42,7 @@ from tracker.engine.marker_verdicts import MarkerCheck, MarkerSorter
 from tracker.engine.markers_ownership import MarkersOwnership
 from tracker.engine.parking import InvalidMarkerParker
 from tracker.engine.parking_in_flight import ParkingInFlight
-from tracker.engine.partition_reading import PartitionReading, SortedRecords
+from tracker.engine.partition_reading import PartitionReading, PendingBatch, SortedRecords
 from tracker.engine.signals import IngestListener, NoListener
 from tracker.metrics import Metrics
 from tracker.store import Fenced, StoreUnavailable
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 #: Longest time between two flushes of what left the coalescing window (``poll_once``).
 FLUSH_INTERVAL = 0.2
+
+#: a queued marker's kind, for the per-kind count of markers ingested
+_KIND = attrgetter("marker.kind")
 
 
 class MarkerIngest:
@@ -297,18 +301,20 @@ class MarkerIngest:
         self, partition: int, state: PartitionReading, records: list[Any]
     ) -> SortedRecords:
         """Decode and check one partition's records: what to apply, what to refuse."""
+        arrived = time.monotonic()
         accepted, rejected = await self._sorter.sort(partition, records)
-        return SortedRecords(partition, state, records, accepted, rejected)
+        return SortedRecords(partition, state, records, arrived, accepted, rejected)
 
     def _accept(self, batch: SortedRecords) -> None:
-        """Queue a partition's valid markers for the coalescing window."""
-        kinds: Counter[str] = Counter()
-        for _, pending in batch.accepted:
-            kinds[pending.marker.kind.name] += 1
-            self._waiting.hold(pending.marker, 1)
-        for kind, count in kinds.items():
-            self._metrics.markers_ingested.labels(kind).inc(count)
-        batch.state.pending.extend(batch.accepted)
+        """Queue a partition's valid markers for the coalescing window, as one batch."""
+        if batch.accepted:
+            kinds = Counter(map(_KIND, batch.accepted))
+            for kind, count in kinds.items():
+                self._metrics.markers_ingested.labels(kind.name).inc(count)
+            pending = PendingBatch(batch.arrived, batch.accepted)
+            batch.state.pending.append(pending)
+            batch.state.pending_markers += len(batch.accepted)
+            self._waiting.add(pending)
         batch.state.seen_next = batch.records[-1].offset + 1
 
     async def _note_caught_up(self) -> None:

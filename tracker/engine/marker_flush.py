@@ -76,14 +76,14 @@ class MarkerFlush:
         for partition, state in self._ownership.owned.items():
             if only is not None and partition not in only:
                 continue
-            n = 0
-            for arrived, pending in state.pending:
-                if not force and arrived > cutoff:
+            n = 0  # whole polled batches: all of a batch arrived at once
+            for queued in state.pending:
+                if not force and queued.arrived > cutoff:
                     break
-                batch.append(pending)
+                batch.extend(queued.markers)
                 n += 1
             if n < len(state.pending):
-                next_offset = state.pending[n][1].markers_offset
+                next_offset = state.pending[n].markers[0].markers_offset
             elif state.seen_next is not None:
                 next_offset = state.seen_next
             else:
@@ -112,8 +112,9 @@ class MarkerFlush:
         for partition, n in taken.items():
             state = self._ownership.owned[partition]
             for _ in range(n):
-                _, pending = state.pending.popleft()
-                self._waiting.hold(pending.marker, -1)
+                done = state.pending.popleft()
+                state.pending_markers -= len(done.markers)
+                self._waiting.remove(done)
             state.applied_next = progress[partition].next_offset
         await self._commit(progress)
         if result.anomalies:

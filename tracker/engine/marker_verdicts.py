@@ -9,7 +9,6 @@ durations count from, and queued by ``tracker.engine.ingest`` for the coalescing
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -44,10 +43,9 @@ class MarkerSorter:
 
     async def sort(
         self, partition: int, records: list[Any]
-    ) -> tuple[list[tuple[float, PendingMarker]], list[Rejected]]:
+    ) -> tuple[list[PendingMarker], list[Rejected]]:
         """Decode and check one partition's records: what to apply, what to refuse."""
         now_ms = to_millis(self._clock.now())
-        arrived = time.monotonic()
         decoded = decode_batch([r.value for r in records])
         if self._check is not None:
             topics = {m.topic for m in decoded.markers if m is not None}
@@ -56,7 +54,7 @@ class MarkerSorter:
         rejected: list[Rejected] = [
             Rejected(records[i], why, "malformed") for i, why in decoded.errors
         ]
-        accepted: list[tuple[float, PendingMarker]] = []
+        accepted: list[PendingMarker] = []
         total = self._markers_partitions()
         # A batch names few distinct topic/partitions: check each once, not once per marker.
         verdicts: dict[tuple[str, int, str, int], tuple[str, str] | None] = {}
@@ -75,7 +73,7 @@ class MarkerSorter:
             # writer whose clock runs ahead must not make us redeliver early.
             ts = record.timestamp
             ref_ms = now_ms if ts < 0 or ts > now_ms else ts
-            accepted.append((arrived, PendingMarker(marker, ref_ms, partition, record.offset)))
+            accepted.append(PendingMarker(marker, ref_ms, partition, record.offset))
         return accepted, rejected
 
     def _markers_partitions(self) -> int:

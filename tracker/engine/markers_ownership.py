@@ -62,7 +62,7 @@ class MarkersOwnership:
 
     def pending_count(self) -> int:
         """How many markers of the owned partitions wait in the coalescing window."""
-        return sum(len(s.pending) for s in self.owned.values())
+        return sum(s.pending_markers for s in self.owned.values())
 
     def only_unclaimed(self) -> bool:
         """Whether partitions wait for a claim while none is owned (nothing to read yet)."""
@@ -121,8 +121,8 @@ class MarkersOwnership:
             return
         with contextlib.suppress(KeyError):
             self._metrics.markers_lag.remove(str(partition))
-        for _, pending in state.pending:
-            self._waiting.hold(pending.marker, -1)
+        for pending in state.pending:
+            self._waiting.remove(pending)
 
     def fenced(self, partitions: set[int]) -> None:
         """Another replica claimed ``partitions`` (the store refused our epoch): stop reading."""
