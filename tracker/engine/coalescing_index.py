@@ -28,13 +28,11 @@ class CoalescingIndex:
     """The batches in the coalescing window, with their markers counted per key on demand."""
 
     def __init__(self) -> None:
-        #: batches queued and not counted yet
+        #: batches queued and not counted yet; every other queued batch is counted below
         self._unindexed: set[PendingBatch] = set()
-        #: batches whose markers are counted in ``_pending_keys`` / ``_pending_spans``
-        self._indexed: set[PendingBatch] = set()
-        #: v1 markers of the indexed batches, per entry key
+        #: v1 markers of the counted batches, per entry key
         self._pending_keys: Counter[EntryKey] = Counter()
-        #: v2 range markers of the indexed batches, per lane and span
+        #: v2 range markers of the counted batches, per lane and span
         self._pending_spans: dict[LaneKey, Counter[tuple[int, int]]] = {}
 
     def add(self, batch: PendingBatch) -> None:
@@ -42,12 +40,12 @@ class CoalescingIndex:
         self._unindexed.add(batch)
 
     def remove(self, batch: PendingBatch) -> None:
-        """``batch`` left the window (applied, or its partition dropped)."""
-        if batch in self._indexed:
-            self._indexed.discard(batch)
-            self._count(batch, -1)
-        else:
+        """``batch`` (added before, removed once) left the window (applied, or its partition
+        dropped)."""
+        if batch in self._unindexed:
             self._unindexed.discard(batch)
+        else:
+            self._count(batch, -1)
 
     def pending_keys(self, keys: Iterable[EntryKey]) -> set[EntryKey]:
         """The keys among ``keys`` that have markers waiting in the coalescing window."""
@@ -55,9 +53,7 @@ class CoalescingIndex:
         if not asked:
             return set()
         while self._unindexed:
-            batch = self._unindexed.pop()
-            self._count(batch, 1)
-            self._indexed.add(batch)
+            self._count(self._unindexed.pop(), 1)
         pending, lanes = self._pending_keys, self._pending_spans
         found: set[EntryKey] = set()
         for key in asked:
