@@ -16,7 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
-from support.range_model import check_store_against_model, markers_strategy, steps_with_times
+from support.counts import assert_counters_match
+from support.range_model import (
+    check_store_against_model,
+    during_round_strategy,
+    markers_strategy,
+    outcomes_strategy,
+    steps_with_times,
+)
 from support.sql_stores import empty_sql_store
 from support.store_steps import (
     FIXED_TOPIC,
@@ -36,8 +43,9 @@ from support.store_steps import (
     start,
 )
 
-from tracker.domain.entries import Entry, State
+from tracker.domain.entries import Entry, EntryKey, State
 from tracker.protocol import AnyMarker, Marker
+from tracker.protocol_v2 import RangeMarker
 from tracker.store.manager import Store
 from tracker.store.memory import InMemoryStore
 from tracker.store.port import (
@@ -794,13 +802,112 @@ async def test_large_flushes_insert_and_then_update_every_entry(store: TrackerSt
     drawn=markers_strategy,
     cuts=st.lists(st.booleans(), min_size=1, max_size=8),
     due_gap=st.integers(0, 70_000),
+    during=during_round_strategy,
+    outcomes=outcomes_strategy,
 )
 def test_the_memory_store_decides_as_the_per_message_model(
-    drawn: list[tuple[AnyMarker, int]], cuts: list[bool], due_gap: int
+    drawn: list[tuple[AnyMarker, int]],
+    cuts: list[bool],
+    due_gap: int,
+    during: list[tuple[AnyMarker, int]],
+    outcomes: list[int],
 ) -> None:
     """The in-memory side of the range property test that the SQL stores pass in
     ``tests/integration/test_range_store.py`` (same scenario, same reference): many more
     examples, since each costs microseconds."""
     steps = steps_with_times(drawn)
     if steps:
-        asyncio.run(check_store_against_model(InMemoryStore(), steps, cuts, steps[-1][1] + due_gap))
+        asyncio.run(
+            check_store_against_model(
+                InMemoryStore(),
+                steps,
+                cuts,
+                steps[-1][1] + due_gap,
+                during=during,
+                outcomes=outcomes,
+            )
+        )
+
+
+async def test_a_claimed_range_follows_the_markers_of_its_round_as_v1_entries_would(
+    store: TrackerStore,
+) -> None:
+    """A due range is claimed as a range (one row, token and lease); markers that arrive
+    while its round runs act on it as on the claimed v1 entries it stands for, and the
+    round's record then goes by what each offset became: a settle removes it, an extension
+    keeps the round's claim (the copy is out), a START of the copy takes it out of the
+    round, and only offsets the round did not finish become entries of their own."""
+    epochs = await claim(store)
+    batch = RangeMarker.start(GROUP, TOPIC, 0, 0, 9, timeout_ms=1_000, consumer="c-1")
+    await apply(store, epochs, [pending(batch, T0, 0)])
+    claimed, _ = await claim_due(store, epochs, T0 + 1_000, "r1", limit=100)
+    assert sorted(e.origin_offset for e in claimed) == list(range(10))
+    assert {(e.claim_token, e.due_at_ms, e.attempt) for e in claimed} == {("r1", T0 + 1_000, 1)}
+
+    during = T0 + 1_100
+    copy_start = Marker.start(GROUP, msg(100), attempt=2, origin=msg(5), consumer="c-2")
+    await apply(
+        store,
+        epochs,
+        [
+            pending(RangeMarker.settle(GROUP, TOPIC, 0, 0, 1), during, 1),
+            pending(RangeMarker.extend(GROUP, TOPIC, 0, 2, 4, timeout_ms=60_000), during, 2),
+            pending(copy_start, during, 3),
+            pending(Marker.extend(GROUP, msg(6), timeout_ms=60_000), during, 4),
+        ],
+    )
+    await store.finish_redelivery(
+        "r1",
+        markers_topic=MARKERS,
+        partitions=[0],
+        done=[key(o) for o in range(8)],
+        dead=[],
+        lost=[(key(8), "gone")],
+        retry=[(key(9), T0 + 2_000)],
+        now_ms=T0 + 1_500,
+    )
+    left = {e.origin_offset: e for e in await store.list_entries(100)}
+    assert sorted(left) == [5, 8, 9]
+    copy = left[5]
+    assert (copy.attempt, copy.state, copy.claim_token, copy.copy_offset) == (
+        2,
+        State.IN_FLIGHT,
+        None,
+        100,
+    )
+    assert (left[8].state, left[8].reason, left[8].claim_token) == (State.LOST, "gone", None)
+    put_back = left[9]
+    assert (put_back.state, put_back.attempt, put_back.due_at_ms, put_back.claim_token) == (
+        State.IN_FLIGHT,
+        1,
+        T0 + 2_000,
+        None,
+    )
+    assert await store.list_ranges() == []
+    if isinstance(store, Store):
+        await assert_counters_match(store.engine)
+
+
+async def test_a_range_claim_that_outlived_its_lease_is_recorded_by_its_new_round_only(
+    store: TrackerStore,
+) -> None:
+    """A round that stalls past its lease loses the range to the next claim; its late record
+    must then change nothing (the new round's copies are what count), as for v1 entries."""
+    epochs = await claim(store)
+    batch = RangeMarker.start(GROUP, TOPIC, 0, 0, 3, timeout_ms=1_000)
+    await apply(store, epochs, [pending(batch, T0, 0)])
+    first, _ = await claim_due(store, epochs, T0 + 1_000, "r1", lease_ms=1_000)
+    again, _ = await claim_due(store, epochs, T0 + 2_000, "r2", lease_ms=1_000)
+    assert [e.key for e in again] == [e.key for e in first] == [key(o) for o in range(4)]
+
+    async def record(token: str, done: list[EntryKey], now_ms: int) -> None:
+        await store.finish_redelivery(
+            token, markers_topic=MARKERS, partitions=[0], done=done, dead=[], lost=[], retry=[],
+            now_ms=now_ms,
+        )  # fmt: skip
+
+    await record("r1", [key(0)], T0 + 2_100)
+    assert await store.count_entries() == 4
+    await record("r2", [key(0), key(1)], T0 + 2_200)
+    assert sorted(e.origin_offset for e in await store.list_entries(10)) == [2, 3]
+    assert await store.list_ranges() == []

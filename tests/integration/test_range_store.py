@@ -23,7 +23,9 @@ from support.range_model import (
     TOKEN,
     TOPIC,
     check_store_against_model,
+    during_round_strategy,
     markers_strategy,
+    outcomes_strategy,
     policy,
     steps_with_times,
 )
@@ -44,6 +46,7 @@ from tracker.store.port import PartitionProgress, PendingMarker
 pytestmark = [pytest.mark.integration]
 
 MARKERS = "kmq-markers"
+ROUND_2 = "round-2"
 
 
 async def _fresh(url: str) -> Store:
@@ -54,12 +57,24 @@ async def _fresh(url: str) -> Store:
 
 
 async def _scenario(
-    url: str, steps: Sequence[tuple[AnyMarker, int]], cuts: list[bool], due_at: int
+    url: str,
+    steps: Sequence[tuple[AnyMarker, int]],
+    cuts: list[bool],
+    due_at: int,
+    *,
+    during: Sequence[tuple[AnyMarker, int]],
+    outcomes: Sequence[int],
 ) -> None:
     store = await _fresh(url)
     try:
         await check_store_against_model(
-            store, steps, cuts, due_at, check=lambda: assert_counters_match(store.engine)
+            store,
+            steps,
+            cuts,
+            due_at,
+            during=during,
+            outcomes=outcomes,
+            check=lambda: assert_counters_match(store.engine),
         )
     finally:
         await store.close()
@@ -74,14 +89,21 @@ async def _scenario(
     drawn=markers_strategy,
     cuts=st.lists(st.booleans(), min_size=1, max_size=8),
     due_gap=st.integers(0, 70_000),
+    round_=st.tuples(during_round_strategy, outcomes_strategy),
 )
 def test_the_range_store_decides_as_the_per_message_model(
-    database_url: str, drawn: list[tuple[AnyMarker, int]], cuts: list[bool], due_gap: int
+    database_url: str,
+    drawn: list[tuple[AnyMarker, int]],
+    cuts: list[bool],
+    due_gap: int,
+    round_: tuple[list[tuple[AnyMarker, int]], list[int]],
 ) -> None:
     steps = steps_with_times(drawn)
     if not steps:
         return
-    asyncio.run(_scenario(database_url, steps, cuts, steps[-1][1] + due_gap))
+    during, outcomes = round_
+    due_at = steps[-1][1] + due_gap
+    asyncio.run(_scenario(database_url, steps, cuts, due_at, during=during, outcomes=outcomes))
 
 
 @pytest.mark.parametrize("older", ["entry", "range"])
@@ -171,7 +193,10 @@ def test_a_batch_acked_within_one_flush_writes_no_row(database_url: str) -> None
     asyncio.run(scenario())
 
 
-def test_an_open_range_is_one_row_until_it_expires(database_url: str) -> None:
+def test_an_open_range_is_one_row_until_its_round_is_recorded(database_url: str) -> None:
+    """A range is claimed as one row (token and lease on it) and goes when the round is
+    recorded; only the offset the round put back becomes an entry of its own."""
+
     async def scenario() -> None:
         store = await _fresh(database_url)
         try:
@@ -206,7 +231,27 @@ def test_an_open_range_is_one_row_until_it_expires(database_url: str) -> None:
                 token=TOKEN,
             )
             assert sorted(e.origin_offset for e in claimed) == [0, 2]
+            assert {(e.claim_token, e.due_at_ms) for e in claimed} == {(TOKEN, 1_000)}
+            [claimed_range] = await store.list_ranges()
+            assert (claimed_range.open_bits, claimed_range.claim_token) == (0b101, TOKEN)
+            assert claimed_range.due_at_ms == 11_000  # the lease: due again if the round dies
+            assert await store.count_entries() == 2
+            await assert_counters_match(store.engine)
+            [copied, put_back] = sorted(e.key for e in claimed)
+            await store.finish_redelivery(
+                TOKEN,
+                markers_topic=MARKERS,
+                partitions=[0],
+                done=[copied],
+                dead=[],
+                lost=[],
+                retry=[(put_back, 1_500)],
+                now_ms=1_200,
+            )
             assert await store.list_ranges() == []
+            [entry] = await store.list_entries(10)
+            assert (entry.key, entry.due_at_ms, entry.claim_token) == (put_back, 1_500, None)
+            assert (entry.state, entry.attempt) == (State.IN_FLIGHT, 1)
             await assert_counters_match(store.engine)
         finally:
             await store.close()
@@ -214,9 +259,10 @@ def test_an_open_range_is_one_row_until_it_expires(database_url: str) -> None:
     asyncio.run(scenario())
 
 
-def test_a_claim_expands_only_as_many_due_ranges_as_it_claims(database_url: str) -> None:
-    """Ten million messages in flight are twenty thousand ranges: a claim of 1,000 must turn
-    about 1,000 offsets into entries, not every due range (it once took 14 s at 10M)."""
+def test_a_claim_takes_only_as_many_offsets_of_due_ranges_as_its_batch(database_url: str) -> None:
+    """Ten million messages in flight are twenty thousand ranges: a claim of 1,000 takes the
+    earliest 1,000 due offsets, splitting the range that crosses the batch, not every due
+    range (it once took 14 s at 10M) nor a whole range of 65,536 offsets."""
 
     async def scenario() -> None:
         store = await _fresh(database_url)
@@ -243,16 +289,20 @@ def test_a_claim_expands_only_as_many_due_ranges_as_it_claims(database_url: str)
                 lease_ms=10_000,
                 token=TOKEN,
             )
-            # The earliest due first: all of range 0, then 50 of range 1 (expanded whole). Which
-            # 50 is not ordered: range 1's offsets are due at the same moment.
-            first = sorted(e.origin_offset for e in claimed)
-            assert first[:100] == list(range(100))
-            assert len(first) == 150
-            assert set(first[100:]) <= set(range(100, 200))
-            left = await store.list_ranges()
-            assert [t.base_offset for t in left] == [200, 300, 400]
-            # Nothing is lost: the rest of range 1 is an entry, still in flight and due.
+            # The earliest due first: all of range 0, then the lowest 50 offsets of range 1,
+            # split off as a claimed range of its own.
+            assert sorted(e.origin_offset for e in claimed) == list(range(150))
+            left = {t.base_offset: (t.open_count, t.claim_token) for t in await store.list_ranges()}
+            assert left == {
+                0: (100, TOKEN),
+                100: (50, TOKEN),
+                150: (50, None),
+                200: (100, None),
+                300: (100, None),
+                400: (100, None),
+            }
             assert await store.count_entries() == 500
+            await assert_counters_match(store.engine)
             claimed, _ = await store.claim_due(
                 MARKERS,
                 epochs={0: epoch},
@@ -260,10 +310,22 @@ def test_a_claim_expands_only_as_many_due_ranges_as_it_claims(database_url: str)
                 now_ms=10_000,
                 limit=1_000,
                 lease_ms=10_000,
-                token=TOKEN,
+                token=ROUND_2,
             )
-            assert sorted(e.origin_offset for e in claimed) == sorted(set(range(500)) - set(first))
-            assert await store.list_ranges() == []
+            assert sorted(e.origin_offset for e in claimed) == list(range(150, 500))
+            await store.finish_redelivery(
+                ROUND_2,
+                markers_topic=MARKERS,
+                partitions=[0],
+                done=[e.key for e in claimed],
+                dead=[],
+                lost=[],
+                retry=[],
+                now_ms=10_100,
+            )
+            # Round 2's record leaves round 1's ranges alone: they carry its token.
+            assert sorted(t.base_offset for t in await store.list_ranges()) == [0, 100]
+            assert await store.count_entries() == 150
             await assert_counters_match(store.engine)
         finally:
             await store.close()

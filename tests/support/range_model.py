@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
-from tracker.domain.entries import Entry, apply_marker, plan_due
+from tracker.domain.entries import Entry, EntryKey, State, apply_marker, plan_due
 from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker
@@ -22,6 +22,8 @@ from tracker.store.port import PartitionProgress, PendingMarker, TrackerStore
 GROUP, TOPIC, PARTITION, MARKERS_PARTITION = "g", "orders", 2, 5
 MARKERS = "kmq-markers"
 WINDOW = 24  #: offsets 0..WINDOW-1: small, so markers collide often
+#: What the round in :func:`check_store_against_model` did with a claimed entry.
+DONE, LOST, PUT_BACK = 0, 1, 2
 POLICY = ResolvedPolicy(
     processing_timeout_ms=30_000,
     backoff=BackoffPolicy(initial=1, multiplier=2, max=60, jitter=0),
@@ -121,6 +123,11 @@ markers_strategy = st.lists(
     st.tuples(st.one_of(range_markers(), range_markers(), single_markers()), st.integers(0, 50)),
     max_size=40,
 )
+#: markers that arrive while a redelivery round runs, and what the round does with each entry
+during_round_strategy = st.lists(
+    st.tuples(st.one_of(range_markers(), single_markers()), st.integers(0, 50)), max_size=8
+)
+outcomes_strategy = st.lists(st.sampled_from([DONE, LOST, PUT_BACK]), min_size=1, max_size=6)
 
 
 def steps_with_times(drawn: list[tuple[AnyMarker, int]]) -> list[tuple[AnyMarker, int]]:
@@ -147,12 +154,17 @@ async def check_store_against_model(
     cuts: list[bool],
     due_at: int,
     *,
+    during: Sequence[tuple[AnyMarker, int]] = (),
+    outcomes: Sequence[int] = (DONE,),
     check: Callable[[], Awaitable[None]] = _nothing,
 ) -> None:
     """Apply ``steps`` to ``store`` in flushes cut where ``cuts`` says, comparing its entries
     with the per-message :func:`reference` after each flush; then claim what is due by
-    ``due_at`` and compare it with what v1 entries would give. ``check`` runs after the
-    flushes and after the claim (the SQL store's counters)."""
+    ``due_at`` and compare it with what v1 entries would give; then apply the markers
+    ``during`` the round (``(marker, gap)``, gaps after ``due_at``) and record the round, each
+    claimed entry in turn done, lost or put back as ``outcomes`` (``DONE``, ``LOST``,
+    ``PUT_BACK``) say, and compare again. ``check`` runs after each stage (the SQL store's
+    counters)."""
     epoch = (await store.claim_partitions(MARKERS, [MARKERS_PARTITION], "a", 0))[
         MARKERS_PARTITION
     ].epoch
@@ -192,6 +204,62 @@ async def check_store_against_model(
     later = [e.due_at_ms for o, e in expected.items() if o not in due and e.due_at_ms]
     claimed_until = [due_at + 60_000] if due else []
     assert next_due == (min(later + claimed_until) if later or claimed_until else None)
+    await check()
+
+    # The round runs while markers arrive (a claimed range keeps its token through a settle
+    # or an extension, as a v1 entry does; a START of a copy takes the offset out of it),
+    # then it is recorded: the store must end where v1 entries would.
+    model = dict(expected)
+    for offset, entry in got.items():
+        model[offset] = replace(entry, due_at_ms=due_at + 60_000)
+    now = max(due_at, steps[-1][1])
+    late: list[PendingMarker] = []
+    for marker, gap in during:
+        now += gap
+        late.append(PendingMarker(marker, now, MARKERS_PARTITION, len(steps) + len(late)))
+        for single in as_v1(marker):
+            reference_step(model, single, now)
+    if late:
+        progress = {MARKERS_PARTITION: PartitionProgress(epoch, len(steps) + len(late))}
+        await store.apply(MARKERS, progress, late, policy, now)
+    done: list[EntryKey] = []
+    lost: list[tuple[EntryKey, str]] = []
+    put_back: list[tuple[EntryKey, int]] = []
+    for i, offset in enumerate(sorted(got)):
+        key, outcome = got[offset].key, outcomes[i % len(outcomes)]
+        held = model.get(offset)
+        holds = held is not None and held.claim_token == TOKEN
+        if outcome == DONE:
+            done.append(key)
+            if holds:
+                del model[offset]
+        elif outcome == LOST:
+            lost.append((key, "gone"))
+            if held is not None and holds:
+                model[offset] = replace(
+                    held,
+                    state=State.LOST,
+                    due_at_ms=None,
+                    reason="gone",
+                    claim_token=None,
+                    updated_ms=now,
+                )
+        else:
+            put_back.append((key, now + 7))
+            if held is not None and holds:
+                model[offset] = replace(held, due_at_ms=now + 7, claim_token=None)
+    await store.finish_redelivery(
+        TOKEN,
+        markers_topic=MARKERS,
+        partitions=[MARKERS_PARTITION],
+        done=done,
+        dead=[],
+        lost=lost,
+        retry=put_back,
+        now_ms=now,
+    )
+    stored = {e.origin_offset: e for e in await store.list_entries(10_000)}
+    assert stored == model, "after the round's record"
     await check()
 
 

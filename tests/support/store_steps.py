@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from tracker.domain.entries import Entry, EntryKey
 from tracker.domain.policy import BackoffPolicy, ResolvedPolicy
 from tracker.ids import MessageId
-from tracker.protocol import Marker
+from tracker.protocol import AnyMarker, Marker
 from tracker.store.port import ApplyResult, PartitionProgress, PendingMarker, TrackerStore
 
 MARKERS = "kmq-markers"
@@ -44,7 +44,7 @@ def key(offset: int, topic: str = TOPIC, partition: int = 0) -> EntryKey:
     return (GROUP, topic, partition, offset)
 
 
-def pending(marker: Marker, ref_ms: int, offset: int, markers_partition: int = 0) -> PendingMarker:
+def pending(marker: AnyMarker, ref_ms: int, offset: int, markers_partition: int = 0) -> PendingMarker:
     return PendingMarker(marker, ref_ms, markers_partition, offset)
 
 

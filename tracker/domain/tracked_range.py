@@ -36,6 +36,9 @@ class TrackedRange:
     first_seen_ms: int
     updated_ms: int
     consumer: str
+    #: set while a redelivery round republishes the range's offsets (``claim_due``); kept by
+    #: every piece the range is split into, as v1 keeps an entry's token through an EXTEND
+    claim_token: str | None = None
 
     @property
     def key(self) -> RangeKey:
@@ -92,6 +95,7 @@ class TrackedRange:
             self.first_seen_ms,
             self.updated_ms,
             consumer=self.consumer,
+            claim_token=self.claim_token,
         )
 
     def piece(self, bits: int, **changes: int | str) -> TrackedRange:
@@ -107,6 +111,7 @@ class TrackedRange:
             self.first_seen_ms,
             self.updated_ms,
             self.consumer,
+            self.claim_token,
         )
         for name, value in changes.items():
             setattr(new, name, value)
@@ -129,13 +134,14 @@ class TrackedRange:
             self.first_seen_ms,
             self.updated_ms,
             self.consumer,
+            self.claim_token,
         )
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> TrackedRange:
         """A range from a row of :data:`RANGE_COLUMN_NAMES` (as :meth:`row` writes them)."""
         (group, topic, partition, first, _last, markers_partition, bits, _count, due, seen,
-         updated, consumer) = row  # fmt: skip
+         updated, consumer, token) = row  # fmt: skip
         return cls(
             str(group),
             str(topic),
@@ -147,6 +153,7 @@ class TrackedRange:
             int(seen),
             int(updated),
             str(consumer),
+            None if token is None else str(token),
         )
 
 
@@ -163,4 +170,5 @@ RANGE_COLUMN_NAMES = (
     "first_seen_ms",
     "updated_ms",
     "consumer",
+    "claim_token",
 )

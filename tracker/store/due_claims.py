@@ -1,9 +1,10 @@
 """Redelivery's side of the SQL store: what is due, claiming it, and recording a round.
 
 A round claims due entries (pushing them a lease ahead, so that a replica dying mid-round
-leaves them due again for the next owner), expands due tracked ranges into per-message
-entries first (an expired range redelivers exactly its open offsets), and records the outcome
-(copied, dead-lettered, lost, retry later) for the entries still claimed with its token.
+leaves them due again for the next owner), claims due tracked ranges as ranges (one row
+each, whatever their width: an expired range redelivers exactly its open offsets), and records
+the outcome (copied, dead-lettered, lost, retry later) for the entries and ranges still claimed
+with its token.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from sqlalchemy import and_, delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
+from tracker.domain.range_claims import take_due_ranges
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 
 from .counts import CountChanges
@@ -43,7 +45,7 @@ from .tables import (
     ENTRY_UPDATE_COLUMNS,
     KEY_CHUNK,
     KEY_COLUMNS,
-    RANGE_KEY_COLUMNS,
+    RANGE_UPDATE_COLUMNS,
     ROW_KEY,
     chunks,
     dead_letters,
@@ -127,7 +129,12 @@ class DueClaims(PartitionOwnership):
             searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
             if not searched:
                 return [], fenced
-            await self._expand_due_ranges(conn, searched, limit)
+            ranged = await self._claim_due_ranges(
+                conn, searched, limit, token=token, claimed_due=now_ms + lease_ms
+            )
+            # Entries due get at least a quarter of the batch, whatever ranges are due: a
+            # mass expiry of ranges must not hold back the retries due before it.
+            limit = max(limit - len(ranged), limit // 4) if ranged else limit
             # SQLite allows 500 terms in a compound SELECT: a few queries for a replica
             # owning hundreds of markers partitions, merged here.
             rows: list[Sequence[Any]] = []
@@ -150,7 +157,8 @@ class DueClaims(PartitionOwnership):
                     await self._unclaim(conn, extra, token)
             if sqlite:
                 await mark_claimed(conn, tracked, rows, token=token, due_at_ms=now_ms + lease_ms)
-        return [entry_from_values(row[:ENTRY_WIDTH], token) for row in rows], fenced
+        claimed = [entry_from_values(row[:ENTRY_WIDTH], token) for row in rows]
+        return ranged + claimed, fenced
 
     async def _unclaim(
         self, conn: AsyncConnection, rows: Sequence[Sequence[Any]], token: str
@@ -163,19 +171,26 @@ class DueClaims(PartitionOwnership):
                 .values(due_at_ms=row[DUE_AT], claim_token=row[TOKEN_AT])
             )
 
-    async def _expand_due_ranges(
-        self, conn: AsyncConnection, due_by: dict[int, int], limit: int
-    ) -> None:
-        """Turn the earliest due ranges, about ``limit`` offsets of them, into entries.
+    async def _claim_due_ranges(
+        self,
+        conn: AsyncConnection,
+        due_by: dict[int, int],
+        limit: int,
+        *,
+        token: str,
+        claimed_due: int,
+    ) -> list[Entry]:
+        """Claim the earliest due ranges, ``limit`` offsets of them at most, as ranges.
 
-        An expired range redelivers exactly its open offsets, and redelivery is per message
-        (every copy is a record of its own, with its own attempt), so this is where a range
-        ends: its offsets become ordinary in-flight entries of attempt 1, which the due query
-        that follows claims like any other. The counters do not move (in flight either way).
+        A range stays one row while its round runs: the claim writes the token and the lease
+        on it, and :meth:`finish_redelivery` deletes it once its copies are out. Only offsets
+        the round does not finish (lost, put back) become entries of their own. Returned: the
+        claimed offsets as the entries they stand for (as they were, with the token), which
+        the round redelivers one by one (each copy is a record with its own attempt).
 
-        Ranges are taken in due order until their open offsets reach ``limit`` (at least
-        one range): a claim of 1,000 must not turn 1,000 ranges of 500 offsets each into
-        half a million rows. Ranges left for later are due no earlier than those taken.
+        Ranges are taken in due order until ``limit`` offsets; the range that would cross it
+        is split, its lowest open offsets claimed and the rest left as it was (a claim of
+        1,000 must not take a range of 65,536 offsets into one round).
         """
         r = ranges_table.c
         columns = [r[name] for name in RANGE_COLUMN_NAMES]
@@ -188,26 +203,46 @@ class DueClaims(PartitionOwnership):
                 .limit(limit)
             )
             candidates += [TrackedRange.from_row(row) for row in rows]
-        if not candidates:
-            return
-        candidates.sort(key=lambda t: (t.due_at_ms, t.key))
-        due: list[TrackedRange] = []
-        offsets = 0
-        for tracked_range in candidates:
-            if offsets >= limit:
-                break
-            due.append(tracked_range)
-            offsets += tracked_range.open_count
-        rows_out = sorted(
-            (row_from_entry(t.entry_at(offset)) for t in due for offset in t.offsets()),
-            key=ROW_KEY,
+        taken = take_due_ranges(candidates, limit, token=token, claimed_due=claimed_due)
+        if taken.written:
+            rows_out = sorted((t.row() for t in taken.written), key=ROW_KEY)
+            for row_chunk in chunks(rows_out, max_bind_rows(self.engine, len(RANGE_COLUMN_NAMES))):
+                await upsert_rows(
+                    conn, ranges_table, RANGE_COLUMN_NAMES, RANGE_UPDATE_COLUMNS, row_chunk
+                )
+        return taken.entries
+
+    async def _dissolve_claimed_ranges(
+        self,
+        conn: AsyncConnection,
+        token: str,
+        finished: set[EntryKey],
+        counts: CountChanges,
+    ) -> None:
+        """Delete the ranges claimed with ``token``; their offsets the round did not finish
+        become entries claimed with it (for the lost and put-back paths that follow).
+
+        Offsets settled or split off by markers since the claim are no longer in the ranges
+        (a diverged offset took the token into its entry), so nothing here undoes them.
+        """
+        gone = await conn.execute(
+            delete(ranges_table)
+            .where(ranges_table.c.claim_token == token)
+            .returning(*(ranges_table.c[name] for name in RANGE_COLUMN_NAMES))
         )
-        for row_chunk in chunks(rows_out, 5_000):
+        left: list[tuple[object, ...]] = []
+        for row in gone:
+            tracked_range = TrackedRange.from_row(row)
+            lane = (tracked_range.markers_partition, tracked_range.origin_topic)
+            count_key = (*lane, tracked_range.group_id, State.IN_FLIGHT.value)
+            counts.add(count_key, -tracked_range.open_count)
+            for offset in tracked_range.offsets():
+                entry = tracked_range.entry_at(offset)
+                if entry.key not in finished:
+                    left.append(row_from_entry(entry))
+                    counts.add(count_key, 1)
+        for row_chunk in chunks(sorted(left, key=ROW_KEY), 5_000):
             await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, row_chunk)
-        for key_chunk in chunks(sorted(t.key for t in due), self._key_chunk):
-            await conn.execute(
-                delete(ranges_table).where(keys_in(self.engine, RANGE_KEY_COLUMNS, key_chunk))
-            )
 
     async def finish_redelivery(
         self,
@@ -244,6 +279,7 @@ class DueClaims(PartitionOwnership):
             )
             counts = CountChanges()
             finished = sorted([*done, *(d.entry.key for d in dead)])
+            await self._dissolve_claimed_ranges(conn, token, set(finished), counts)
             for chunk in chunks(finished, KEY_CHUNK):
                 gone = await conn.execute(
                     delete(tracked)

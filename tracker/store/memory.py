@@ -23,6 +23,7 @@ from typing import Any
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
+from tracker.domain.range_claims import take_due_ranges
 from tracker.domain.ranges import fold_lane_changes, lane_of, touched
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
 from tracker.protocol import RangeMarker
@@ -247,7 +248,18 @@ class InMemoryStore:
             searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
             if not searched:
                 return [], fenced
-            self._expand_due_ranges(searched, limit)
+            candidates = [
+                t
+                for by_key in db.ranges.values()
+                for t in by_key.values()
+                if t.markers_partition in searched and t.due_at_ms <= searched[t.markers_partition]
+            ]
+            taken = take_due_ranges(candidates, limit, token=token, claimed_due=now_ms + lease_ms)
+            for tracked_range in taken.written:
+                db.ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
+            ranged = taken.entries
+            # As the SQL store: entries due get at least a quarter of the batch.
+            limit = max(limit - len(ranged), limit // 4) if ranged else limit
             due = sorted(
                 (
                     e
@@ -262,29 +274,19 @@ class InMemoryStore:
                 db.entries[entry.key] = replace(
                     entry, claim_token=token, due_at_ms=now_ms + lease_ms
                 )
-        return [replace(entry, claim_token=token) for entry in due], fenced
+        return ranged + [replace(entry, claim_token=token) for entry in due], fenced
 
-    def _expand_due_ranges(self, due_by: dict[int, int], limit: int) -> None:
-        """Due ranges, in due order until about ``limit`` offsets, become entries (as in the
-        SQL store: redelivery is per message)."""
-        candidates = sorted(
-            (
-                t
-                for by_key in self.database.ranges.values()
-                for t in by_key.values()
-                if t.markers_partition in due_by and t.due_at_ms <= due_by[t.markers_partition]
-            ),
-            key=lambda t: (t.due_at_ms, t.key),
-        )
-        offsets = 0
-        for tracked_range in candidates:
-            if offsets >= limit:
-                break
-            offsets += tracked_range.open_count
-            for offset in tracked_range.offsets():
-                entry = tracked_range.entry_at(offset)
-                self.database.entries[entry.key] = entry
-            del self.database.ranges[tracked_range.key[:3]][tracked_range.key]
+    def _dissolve_claimed_ranges(self, token: str, finished: set[EntryKey]) -> None:
+        """As the SQL store: the token's ranges go; their unfinished offsets become entries."""
+        for by_key in self.database.ranges.values():
+            for key, tracked_range in list(by_key.items()):
+                if tracked_range.claim_token != token:
+                    continue
+                del by_key[key]
+                for offset in tracked_range.offsets():
+                    entry = tracked_range.entry_at(offset)
+                    if entry.key not in finished:
+                        self.database.entries[entry.key] = entry
 
     async def finish_redelivery(
         self,
@@ -300,7 +302,9 @@ class InMemoryStore:
     ) -> None:
         db = self._db
         async with db.lock:
-            for key in [*done, *(d.entry.key for d in dead)]:
+            finished = [*done, *(d.entry.key for d in dead)]
+            self._dissolve_claimed_ranges(token, set(finished))
+            for key in finished:
                 entry = db.entries.get(key)
                 if entry is not None and entry.claim_token == token:
                     self._delete_entry(key)

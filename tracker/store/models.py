@@ -131,10 +131,20 @@ class TrackedRangeRow(Base):
     first_seen_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
     updated_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
     consumer: Mapped[str] = mapped_column(String(255), nullable=False, server_default=text("''"))
+    #: the redelivery round republishing the range's offsets (migration 0011): a range is
+    #: claimed and recorded as one row, not turned into an entry per offset
+    claim_token: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
     __table_args__ = (
         # The redelivery loop: "which ranges are due in my partitions".
         Index("ix_ranges_partition_due", "markers_partition", "due_at_ms"),
+        # Recording a round: "the ranges this round claimed" (few rows are ever claimed).
+        Index(
+            "ix_ranges_claim_token",
+            "claim_token",
+            sqlite_where=text("claim_token IS NOT NULL"),
+            postgresql_where=text("claim_token IS NOT NULL"),
+        ),
         # Ingest: the ranges of a lane that reach a span of offsets.
         Index("ix_ranges_lane_last", "group_id", "origin_topic", "origin_partition", "last_offset"),
         # Topic statistics: the oldest in-flight range of a topic.

@@ -1,0 +1,62 @@
+"""Which due ranges a redelivery round claims, and how (shared by the SQL and memory stores).
+
+A round claims a due range as the range: one row takes the round's token and lease, whatever
+its width, and the round redelivers its open offsets. The claim is bounded by the round's
+batch: ranges are taken in due order until the batch is full, and the range that would
+overflow it is split, its lowest open offsets claimed and the rest left due as they were.
+Per-offset work is left to what diverges (see ``DueClaims.finish_redelivery``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from tracker.domain.entries import Entry
+from tracker.domain.tracked_range import TrackedRange
+
+
+@dataclass(slots=True)
+class TakenRanges:
+    """The outcome of :func:`take_due_ranges`."""
+
+    #: ranges to write back: the claimed ones (token, lease) and the unclaimed rest of a split
+    written: list[TrackedRange] = field(default_factory=list)
+    #: every claimed offset as the entry it stands for, as it was before the claim, with the
+    #: token (what ``claim_due`` returns for entry rows)
+    entries: list[Entry] = field(default_factory=list)
+
+
+def lowest_bits(bits: int, count: int) -> int:
+    """The ``count`` lowest set bits of ``bits`` (all of them if it has fewer)."""
+    if count >= bits.bit_count():
+        return bits
+    out = 0
+    for _ in range(count):
+        low = bits & -bits
+        out |= low
+        bits ^= low
+    return out
+
+
+def take_due_ranges(
+    candidates: Iterable[TrackedRange], limit: int, *, token: str, claimed_due: int
+) -> TakenRanges:
+    """Claim due ``candidates`` in due order (then key order) up to ``limit`` offsets."""
+    taken = TakenRanges()
+    room = limit
+    for tracked_range in sorted(candidates, key=lambda t: (t.due_at_ms, t.key)):
+        if room <= 0:
+            break
+        claimed_bits = lowest_bits(tracked_range.open_bits, room)
+        rest = tracked_range.open_bits & ~claimed_bits
+        as_was = replace(tracked_range, open_bits=claimed_bits, claim_token=token)
+        taken.entries += [as_was.entry_at(offset) for offset in as_was.offsets()]
+        taken.written.append(replace(as_was, due_at_ms=claimed_due))
+        if rest:
+            taken.written.append(tracked_range.piece(rest))
+        room -= claimed_bits.bit_count()
+    return taken
+
+
+__all__ = ["TakenRanges", "lowest_bits", "take_due_ranges"]
