@@ -1,6 +1,7 @@
 """Scenario 3: redelivery throughput and punctuality, with the real tracker.
 
-* **(a) burst**: ``burst`` messages (8 partitions) get a START with the same lease, written as
+* **(a) burst**: ``burst`` messages (8 partitions) get a START with the same lease (one v1 START
+  per message, and in a second run one v2 RANGE_START per block of ``BLOCK``), written as
   fast as possible, never acked; the tracker ingests them and republishes all of them when the
   leases expire. The republish rate (copies/s, from the first copy to the last, as counted by
   the tracker's ``kmq_redeliveries_total``) is compared with the raw rate of an aiokafka
@@ -30,6 +31,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tracker import headers as h
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
+from tracker.protocol import AnyMarker
 from tracker.runtime import create_tracker
 
 from . import markers as mk
@@ -44,7 +46,7 @@ from .common import (
     unique,
     wait_until,
 )
-from .ingest import settings_for
+from .ingest import BLOCK, settings_for
 
 PARTITIONS = 8
 SIZE = 100
@@ -87,7 +89,14 @@ async def raw_produce_rate(bootstrap: str, topic: str, count: int) -> float:
         await producer.stop()
 
 
-async def burst(infra: Infra, store: str, count: int, min_lease_ms: int = 5_000) -> dict[str, Any]:
+async def burst(
+    infra: Infra, store: str, count: int, min_lease_ms: int = 5_000, *, ranges: bool = False
+) -> dict[str, Any]:
+    """(a): ``count`` messages started with one lease, never acked, republished in a burst.
+
+    ``ranges``: the STARTs are v2 RANGE_STARTs of ``BLOCK`` offsets (what ``KmqConsumer``
+    writes by default, one per fetched partition batch) instead of one v1 START per message.
+    """
     bootstrap = infra.bootstrap
     queue = await create_topic(bootstrap, unique("bench-s3a-queue"), PARTITIONS)
     retry = await create_topic(bootstrap, unique("bench-s3a-retry"), PARTITIONS)
@@ -105,11 +114,19 @@ async def burst(infra: Infra, store: str, count: int, min_lease_ms: int = 5_000)
             producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
             await producer.start()
             try:
-                starts = [
-                    mk.start(queue, p, o, lease_ms)
-                    for o in range(per_partition)
-                    for p in range(PARTITIONS)
-                ]
+                starts: list[AnyMarker] = (
+                    [
+                        mk.range_start(queue, p, low, min(per_partition, low + BLOCK) - 1, lease_ms)
+                        for low in range(0, per_partition, BLOCK)
+                        for p in range(PARTITIONS)
+                    ]
+                    if ranges
+                    else [
+                        mk.start(queue, p, o, lease_ms)
+                        for o in range(per_partition)
+                        for p in range(PARTITIONS)
+                    ]
+                )
                 written = Stopwatch()
                 await mk.produce_markers(producer, markers, starts, PARTITIONS)
                 write_seconds = written.seconds
@@ -353,14 +370,15 @@ async def run(
 ) -> ScenarioResult:
     result = ScenarioResult("redelivery", "3. Redelivery: burst rate and steady lateness")
     logging.getLogger("tracker").setLevel(logging.ERROR)
-    for store in stores:
-        b = await burst(infra, store, burst_messages, min_lease_ms)
-        result.data[f"burst_{store}"] = b
-        result.add(Figure(f"(a) {store}: raw produce rate", b["raw_produce_rate"], "records/s"))
-        result.add(Figure(f"(a) {store}: republish rate", b["republish_rate"], "copies/s"))
+    for store, ranges in [(store, ranges) for store in stores for ranges in (False, True)]:
+        b = await burst(infra, store, burst_messages, min_lease_ms, ranges=ranges)
+        label = f"{store}, v2 ranges" if ranges else store
+        result.data[f"burst_{store}_ranges" if ranges else f"burst_{store}"] = b
+        result.add(Figure(f"(a) {label}: raw produce rate", b["raw_produce_rate"], "records/s"))
+        result.add(Figure(f"(a) {label}: republish rate", b["republish_rate"], "copies/s"))
         result.add(
             Figure(
-                f"(a) {store}: republish / raw produce",
+                f"(a) {label}: republish / raw produce",
                 b["republish_rate"] / b["raw_produce_rate"],
                 "x",
                 0.5,
@@ -370,7 +388,7 @@ async def run(
         )
         result.add(
             Figure(
-                f"(a) {store}: claim + read + produce per round (rounds overlap)",
+                f"(a) {label}: claim + read + produce per round (rounds overlap)",
                 sum(b["phase_mean_ms"][p] for p in ("claim", "read", "produce")),
                 "ms",
                 note=_phases_note(b["phase_mean_ms"]),

@@ -911,3 +911,21 @@ async def test_a_range_claim_that_outlived_its_lease_is_recorded_by_its_new_roun
     await record("r2", [key(0), key(1)], T0 + 2_200)
     assert sorted(e.origin_offset for e in await store.list_entries(10)) == [2, 3]
     assert await store.list_ranges() == []
+
+
+async def test_due_ranges_and_due_entries_share_a_claim_in_due_order(
+    store: TrackerStore,
+) -> None:
+    """A batch takes the earliest due messages whether they are entries or offsets of
+    ranges: a mass expiry of ranges does not hold back an entry due before it, nor the reverse
+    (the range crossing the batch is split)."""
+    epochs = await claim(store)
+    await start(store, epochs, 40, timeout_ms=1_000)  # due T0 + 1,000
+    await start(store, epochs, 41, timeout_ms=3_000)  # due T0 + 3,000
+    batch = RangeMarker.start(GROUP, TOPIC, 0, 0, 9, timeout_ms=2_000)
+    await apply(store, epochs, [pending(batch, T0, 5)])
+    first, _ = await claim_due(store, epochs, T0 + 5_000, "r1", limit=5)
+    assert sorted(e.origin_offset for e in first) == [0, 1, 2, 3, 40]
+    second, _ = await claim_due(store, epochs, T0 + 5_000, "r2", limit=10)
+    assert sorted(e.origin_offset for e in second) == [4, 5, 6, 7, 8, 9, 41]
+    assert {e.claim_token for e in second} == {"r2"}

@@ -44,7 +44,9 @@ def key(offset: int, topic: str = TOPIC, partition: int = 0) -> EntryKey:
     return (GROUP, topic, partition, offset)
 
 
-def pending(marker: AnyMarker, ref_ms: int, offset: int, markers_partition: int = 0) -> PendingMarker:
+def pending(
+    marker: AnyMarker, ref_ms: int, offset: int, markers_partition: int = 0
+) -> PendingMarker:
     return PendingMarker(marker, ref_ms, markers_partition, offset)
 
 

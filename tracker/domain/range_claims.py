@@ -2,8 +2,9 @@
 
 A round claims a due range as the range: one row takes the round's token and lease, whatever
 its width, and the round redelivers its open offsets. The claim is bounded by the round's
-batch: ranges are taken in due order until the batch is full, and the range that would
-overflow it is split, its lowest open offsets claimed and the rest left due as they were.
+batch, which due ranges and due entries share in due order (:func:`share_of_batch`): ranges
+are taken in due order until their share is full, and the range that would overflow it is
+split, its lowest open offsets claimed and the rest left due as they were.
 Per-offset work is left to what diverges (see ``DueClaims.finish_redelivery``).
 """
 
@@ -39,6 +40,32 @@ def lowest_bits(bits: int, count: int) -> int:
     return out
 
 
+def share_of_batch(
+    ranges: Iterable[TrackedRange], entry_dues: Iterable[int], limit: int
+) -> tuple[int, int]:
+    """How a batch of ``limit`` is shared by due ranges and due entries, in due order.
+
+    ``entry_dues``: the due times of the earliest due entries (any order). Returns
+    ``(offsets of ranges, entries)``: what :func:`take_due_ranges` and the entries' claim may
+    take so that together they claim the ``limit`` earliest due messages (an entry before a
+    range due at the same moment). Neither kind waits behind the other: a mass expiry of
+    ranges does not hold back retries due before it, nor the reverse.
+    """
+    dues = sorted(entry_dues)
+    room, offsets, entries = limit, 0, 0
+    for tracked_range in sorted(ranges, key=lambda t: (t.due_at_ms, t.key)):
+        while room > 0 and entries < len(dues) and dues[entries] <= tracked_range.due_at_ms:
+            entries += 1
+            room -= 1
+        if room <= 0:
+            break
+        taken = min(room, tracked_range.open_count)
+        offsets += taken
+        room -= taken
+    entries += min(room, len(dues) - entries)
+    return offsets, entries
+
+
 def take_due_ranges(
     candidates: Iterable[TrackedRange], limit: int, *, token: str, claimed_due: int
 ) -> TakenRanges:
@@ -59,4 +86,4 @@ def take_due_ranges(
     return taken
 
 
-__all__ = ["TakenRanges", "lowest_bits", "take_due_ranges"]
+__all__ = ["TakenRanges", "lowest_bits", "share_of_batch", "take_due_ranges"]

@@ -16,7 +16,7 @@ from sqlalchemy import and_, delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
-from tracker.domain.range_claims import take_due_ranges
+from tracker.domain.range_claims import share_of_batch, take_due_ranges
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 
 from .counts import CountChanges
@@ -36,6 +36,7 @@ from .due_queries import (
     claim_query,
     due_order,
     due_query,
+    due_times_query,
 )
 from .ownership import PartitionOwnership
 from .port import DeadLetterRecord
@@ -129,34 +130,33 @@ class DueClaims(PartitionOwnership):
             searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
             if not searched:
                 return [], fenced
-            ranged = await self._claim_due_ranges(
-                conn, searched, limit, token=token, claimed_due=now_ms + lease_ms
-            )
-            # Entries due get at least a quarter of the batch, whatever ranges are due: a
-            # mass expiry of ranges must not hold back the retries due before it.
-            limit = max(limit - len(ranged), limit // 4) if ranged else limit
-            # SQLite allows 500 terms in a compound SELECT: a few queries for a replica
-            # owning hundreds of markers partitions, merged here.
-            rows: list[Sequence[Any]] = []
+            claimed_due = now_ms + lease_ms
             groups = list(chunks(sorted(searched.items()), DUE_QUERY_PARTITIONS))
             sqlite = conn.dialect.name == "sqlite"
-            for group in groups:
-                params: dict[str, Any] = {"limit": limit}
-                for i, (p, t) in enumerate(group):
-                    params[f"p{i}"], params[f"t{i}"] = p, t
-                if sqlite:  # read, then mark by rowid (no UPDATE .. FROM .. RETURNING there)
-                    rows += await driver_rows(conn, due_query(len(group), "sqlite"), params)
-                else:  # one statement marks the rows and returns them as they were
-                    params.update(token=token, claimed_due=now_ms + lease_ms)
-                    rows += await driver_rows(conn, claim_query(len(group)), params)
-            rows.sort(key=due_order)
-            if len(groups) > 1:
-                # Claimed beyond ``limit`` on PostgreSQL: given back in the same transaction.
-                rows, extra = rows[:limit], rows[limit:]
-                if extra and not sqlite:
-                    await self._unclaim(conn, extra, token)
+            ranges = await self._due_ranges(conn, groups, limit)
+            # Due ranges and due entries share the batch in due order. SQLite reads the due
+            # entries before it marks them: their due times come with them. PostgreSQL marks
+            # them in the statement that finds them: their due times are read first, and
+            # only if a range is due at all.
+            rows: list[Sequence[Any]] = []
             if sqlite:
-                await mark_claimed(conn, tracked, rows, token=token, due_at_ms=now_ms + lease_ms)
+                rows = await self._due_rows(conn, groups, limit, None)
+                entry_dues = [int(row[DUE_AT]) for row in rows]
+            elif ranges:
+                entry_dues = await self._due_times(conn, groups, limit)
+            else:
+                entry_dues = []
+            range_share, entry_share = share_of_batch(ranges, entry_dues, limit)
+            if not ranges:
+                entry_share = limit
+            ranged = await self._claim_ranges(
+                conn, ranges, range_share, token=token, claimed_due=claimed_due
+            )
+            if sqlite:  # read, then mark by rowid (no UPDATE .. FROM .. RETURNING there)
+                rows = rows[:entry_share]
+                await mark_claimed(conn, tracked, rows, token=token, due_at_ms=claimed_due)
+            elif entry_share:  # one statement marks the rows and returns them as they were
+                rows = await self._due_rows(conn, groups, entry_share, (token, claimed_due))
         claimed = [entry_from_values(row[:ENTRY_WIDTH], token) for row in rows]
         return ranged + claimed, fenced
 
@@ -171,31 +171,57 @@ class DueClaims(PartitionOwnership):
                 .values(due_at_ms=row[DUE_AT], claim_token=row[TOKEN_AT])
             )
 
-    async def _claim_due_ranges(
+    async def _due_rows(
         self,
         conn: AsyncConnection,
-        due_by: dict[int, int],
+        groups: Sequence[Sequence[tuple[int, int]]],
         limit: int,
-        *,
-        token: str,
-        claimed_due: int,
-    ) -> list[Entry]:
-        """Claim the earliest due ranges, ``limit`` offsets of them at most, as ranges.
+        claim: tuple[str, int] | None,
+    ) -> list[Sequence[Any]]:
+        """The earliest ``limit`` due entry rows, in claim order; with ``claim`` (token, due:
+        PostgreSQL only) marked claimed by the statement that finds them.
 
-        A range stays one row while its round runs: the claim writes the token and the lease
-        on it, and :meth:`finish_redelivery` deletes it once its copies are out. Only offsets
-        the round does not finish (lost, put back) become entries of their own. Returned: the
-        claimed offsets as the entries they stand for (as they were, with the token), which
-        the round redelivers one by one (each copy is a record with its own attempt).
-
-        Ranges are taken in due order until ``limit`` offsets; the range that would cross it
-        is split, its lowest open offsets claimed and the rest left as it was (a claim of
-        1,000 must not take a range of 65,536 offsets into one round).
+        SQLite allows 500 terms in a compound SELECT: a few queries for a replica owning
+        hundreds of markers partitions, merged here.
         """
+        rows: list[Sequence[Any]] = []
+        for group in groups:
+            params = _due_params(group, limit)
+            if claim is None:
+                query = due_query(len(group), conn.dialect.name)
+                rows += await driver_rows(conn, query, params)
+            else:
+                params.update(token=claim[0], claimed_due=claim[1])
+                rows += await driver_rows(conn, claim_query(len(group)), params)
+        rows.sort(key=due_order)
+        if len(groups) > 1:
+            rows, extra = rows[:limit], rows[limit:]
+            if extra and claim is not None:  # claimed beyond ``limit``: given back
+                await self._unclaim(conn, extra, claim[0])
+        return rows
+
+    async def _due_times(
+        self, conn: AsyncConnection, groups: Sequence[Sequence[tuple[int, int]]], limit: int
+    ) -> list[int]:
+        """The due times of the earliest ``limit`` due entries (see ``due_times_query``)."""
+        dues: list[int] = []
+        for group in groups:
+            params: dict[str, Any] = {"limit": limit}
+            for i, (p, t) in enumerate(group):
+                params[f"p{i}"], params[f"t{i}"] = p, t
+            dues += [
+                int(row[0]) for row in await driver_rows(conn, due_times_query(len(group)), params)
+            ]
+        return sorted(dues)[:limit]
+
+    async def _due_ranges(
+        self, conn: AsyncConnection, groups: Sequence[Sequence[tuple[int, int]]], limit: int
+    ) -> list[TrackedRange]:
+        """The earliest due tracked ranges, ``limit`` of them at most, in due order."""
         r = ranges_table.c
         columns = [r[name] for name in RANGE_COLUMN_NAMES]
         candidates: list[TrackedRange] = []
-        for group in chunks(sorted(due_by.items()), DUE_QUERY_PARTITIONS):
+        for group in groups:
             rows = await conn.execute(
                 select(*columns)
                 .where(or_(*(and_(r.markers_partition == p, r.due_at_ms <= t) for p, t in group)))
@@ -203,7 +229,28 @@ class DueClaims(PartitionOwnership):
                 .limit(limit)
             )
             candidates += [TrackedRange.from_row(row) for row in rows]
-        taken = take_due_ranges(candidates, limit, token=token, claimed_due=claimed_due)
+        return sorted(candidates, key=lambda t: (t.due_at_ms, t.key))[:limit]
+
+    async def _claim_ranges(
+        self,
+        conn: AsyncConnection,
+        candidates: list[TrackedRange],
+        share: int,
+        *,
+        token: str,
+        claimed_due: int,
+    ) -> list[Entry]:
+        """Claim ``share`` offsets of the due ``candidates`` ranges, as ranges.
+
+        A range stays one row while its round runs: the claim writes the token and the lease
+        on it, and :meth:`finish_redelivery` deletes it once its copies are out. Only offsets
+        the round does not finish (lost, put back) become entries of their own. Returned: the
+        claimed offsets as the entries they stand for (as they were, with the token), which
+        the round redelivers one by one (each copy is a record with its own attempt). The
+        range that would cross ``share`` is split (``take_due_ranges``): a claim of 1,000
+        must not take a range of 65,536 offsets into one round.
+        """
+        taken = take_due_ranges(candidates, share, token=token, claimed_due=claimed_due)
         if taken.written:
             rows_out = sorted((t.row() for t in taken.written), key=ROW_KEY)
             for row_chunk in chunks(rows_out, max_bind_rows(self.engine, len(RANGE_COLUMN_NAMES))):
@@ -387,3 +434,11 @@ class DueClaims(PartitionOwnership):
             partition, topic, group, state = before[key]
             counts.add((partition, topic, group, state), -1)
             counts.add((partition, topic, group, State.LOST.value), 1)
+
+
+def _due_params(group: Sequence[tuple[int, int]], limit: int) -> dict[str, Any]:
+    """The parameters of ``due_query`` and its kin: ``p<i>``/``t<i>`` (partition, due by)."""
+    params: dict[str, Any] = {"limit": limit}
+    for i, (p, t) in enumerate(group):
+        params[f"p{i}"], params[f"t{i}"] = p, t
+    return params

@@ -90,3 +90,27 @@ def due_query(partitions: int, dialect_name: str) -> Select[Any]:
         .order_by(merged.c.due_at_ms, *(merged.c[c.name] for c in KEY_COLUMNS))
         .limit(limit)
     )
+
+
+@functools.cache
+def due_times_query(partitions: int) -> Select[Any]:
+    """The due times of :func:`due_query`'s rows and nothing else (same parameters).
+
+    Where due ranges compete with due entries for a claim's batch, the claim takes both in
+    due order; on PostgreSQL, whose claim marks entries in the statement that finds them, this
+    says first how many of the batch go to entries (an index-only read of the same ranges).
+    """
+    limit = bindparam("limit", type_=Integer)
+    per_partition = [
+        select(tracked.c.due_at_ms)
+        .where(
+            tracked.c.markers_partition == bindparam(f"p{i}", type_=Integer),
+            tracked.c.due_at_ms <= bindparam(f"t{i}", type_=BigInteger),
+        )
+        .order_by(tracked.c.due_at_ms)
+        .limit(limit)
+        .subquery()
+        for i in range(partitions)
+    ]
+    merged = union_all(*(select(*sub.c) for sub in per_partition)).subquery("due")
+    return select(merged.c.due_at_ms).order_by(merged.c.due_at_ms).limit(limit)

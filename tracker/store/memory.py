@@ -23,7 +23,7 @@ from typing import Any
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.range_claims import take_due_ranges
+from tracker.domain.range_claims import share_of_batch, take_due_ranges
 from tracker.domain.ranges import fold_lane_changes, lane_of, touched
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
 from tracker.protocol import RangeMarker
@@ -254,12 +254,6 @@ class InMemoryStore:
                 for t in by_key.values()
                 if t.markers_partition in searched and t.due_at_ms <= searched[t.markers_partition]
             ]
-            taken = take_due_ranges(candidates, limit, token=token, claimed_due=now_ms + lease_ms)
-            for tracked_range in taken.written:
-                db.ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
-            ranged = taken.entries
-            # As the SQL store: entries due get at least a quarter of the batch.
-            limit = max(limit - len(ranged), limit // 4) if ranged else limit
             due = sorted(
                 (
                     e
@@ -270,6 +264,16 @@ class InMemoryStore:
                 ),
                 key=lambda e: (e.due_at_ms, *e.key),
             )[:limit]
+            # As the SQL store: due ranges and due entries share the batch in due order.
+            dues = [e.due_at_ms for e in due if e.due_at_ms is not None]
+            range_share, entry_share = share_of_batch(candidates, dues, limit)
+            due = due[:entry_share]
+            taken = take_due_ranges(
+                candidates, range_share, token=token, claimed_due=now_ms + lease_ms
+            )
+            for tracked_range in taken.written:
+                db.ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
+            ranged = taken.entries
             for entry in due:
                 db.entries[entry.key] = replace(
                     entry, claim_token=token, due_at_ms=now_ms + lease_ms
