@@ -13,6 +13,7 @@ from sqlalchemy import (
     Integer,
     Select,
     String,
+    Subquery,
     bindparam,
     select,
     tuple_,
@@ -72,23 +73,12 @@ def due_query(partitions: int, dialect_name: str) -> Select[Any]:
     SQLite each row ends with its ``rowid``, by which the claim marks it.
     """
     columns = [tracked.c[name] for name in ENTRY_COLUMN_NAMES]
-    limit = bindparam("limit", type_=Integer)
-    per_partition = [
-        select(*columns, *(c.label("kmq_rowid") for c in rowid_column(dialect_name)))
-        .where(
-            tracked.c.markers_partition == bindparam(f"p{i}", type_=Integer),
-            tracked.c.due_at_ms <= bindparam(f"t{i}", type_=BigInteger),
-        )
-        .order_by(tracked.c.due_at_ms)
-        .limit(limit)
-        .subquery()
-        for i in range(partitions)
-    ]
-    merged = union_all(*(select(*sub.c) for sub in per_partition)).subquery("due")
+    rowid = [c.label("kmq_rowid") for c in rowid_column(dialect_name)]
+    merged = _earliest_per_partition(partitions, [*columns, *rowid])
     return (
         select(*merged.c)
         .order_by(merged.c.due_at_ms, *(merged.c[c.name] for c in KEY_COLUMNS))
-        .limit(limit)
+        .limit(bindparam("limit", type_=Integer))
     )
 
 
@@ -100,9 +90,21 @@ def due_times_query(partitions: int) -> Select[Any]:
     due order; on PostgreSQL, whose claim marks entries in the statement that finds them, this
     says first how many of the batch go to entries (an index-only read of the same ranges).
     """
+    merged = _earliest_per_partition(partitions, [tracked.c.due_at_ms])
+    return (
+        select(merged.c.due_at_ms)
+        .order_by(merged.c.due_at_ms)
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+def _earliest_per_partition(partitions: int, columns: Sequence[Any]) -> Subquery:
+    """``columns`` of each partition's earliest ``:limit`` due entries (parameters ``p<i>``,
+    ``t<i>``), each from its own range of the (markers_partition, due_at_ms) index, as one
+    UNION ALL for the database to merge."""
     limit = bindparam("limit", type_=Integer)
     per_partition = [
-        select(tracked.c.due_at_ms)
+        select(*columns)
         .where(
             tracked.c.markers_partition == bindparam(f"p{i}", type_=Integer),
             tracked.c.due_at_ms <= bindparam(f"t{i}", type_=BigInteger),
@@ -112,5 +114,4 @@ def due_times_query(partitions: int) -> Select[Any]:
         .subquery()
         for i in range(partitions)
     ]
-    merged = union_all(*(select(*sub.c) for sub in per_partition)).subquery("due")
-    return select(merged.c.due_at_ms).order_by(merged.c.due_at_ms).limit(limit)
+    return union_all(*(select(*sub.c) for sub in per_partition)).subquery("due")
