@@ -206,12 +206,8 @@ class DueClaims(PartitionOwnership):
         """The due times of the earliest ``limit`` due entries (see ``due_times_query``)."""
         dues: list[int] = []
         for group in groups:
-            params: dict[str, Any] = {"limit": limit}
-            for i, (p, t) in enumerate(group):
-                params[f"p{i}"], params[f"t{i}"] = p, t
-            dues += [
-                int(row[0]) for row in await driver_rows(conn, due_times_query(len(group)), params)
-            ]
+            found = await driver_rows(conn, due_times_query(len(group)), _due_params(group, limit))
+            dues += [int(row[0]) for row in found]
         return sorted(dues)[:limit]
 
     async def _due_ranges(
