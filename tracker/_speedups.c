@@ -456,11 +456,51 @@ error:
     return NULL;
 }
 
+/* Decodes one record value. A refused value is appended to `errors` as (i, message) and
+ * *refused is set; NULL without *refused is a real error (out of memory, ...). A refused
+ * value costs no exception object: its message is taken as the error was set (with 50 %
+ * garbage on the markers topic, building and catching one MarkerError per refused record
+ * was a quarter of the ingest loop). */
+static PyObject *decode_or_refuse(PyObject *module, PyObject *item, Py_ssize_t i, PyObject *errors,
+                                  int *refused) {
+    PyObject *marker;
+    *refused = 0;
+    if (PyByteArray_Check(item) || PyMemoryView_Check(item)) {
+        PyObject *copy = PyBytes_FromObject(item); /* as decode_marker does */
+        if (copy == NULL) return NULL;
+        marker = decode(module, copy);
+        Py_DECREF(copy);
+    } else {
+        marker = decode(module, item);
+    }
+    if (marker != NULL) return marker;
+    if (error_cls == NULL || !PyErr_ExceptionMatches(error_cls)) return NULL;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *message;
+    if (value != NULL && PyUnicode_Check(value)) {
+        message = value;
+        Py_INCREF(message);
+    } else if (value != NULL) {
+        message = PyObject_Str(value);
+    } else {
+        message = PyUnicode_FromString("malformed marker");
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (message == NULL) return NULL;
+    PyObject *pair = Py_BuildValue("(nN)", i, message); /* steals message */
+    if (pair == NULL) return NULL;
+    int appended = PyList_Append(errors, pair);
+    Py_DECREF(pair);
+    if (appended < 0) return NULL;
+    *refused = 1;
+    return NULL;
+}
+
 /* decode_many(values) -> (markers, errors): markers[i] is the Marker of values[i] or None;
- * errors lists (i, message) for each refused value. A refused value costs no exception
- * object: its message is taken as the error was set (with 50 % garbage on the markers
- * topic, building and catching one MarkerError per refused record was a quarter of the
- * ingest loop). */
+ * errors lists (i, message) for each refused value. */
 static PyObject *decode_many(PyObject *module, PyObject *values) {
     PyObject *seq = PySequence_Fast(values, "decode_many() needs a sequence");
     if (seq == NULL) return NULL;
@@ -470,43 +510,14 @@ static PyObject *decode_many(PyObject *module, PyObject *values) {
     PyObject *errors = PyList_New(0);
     if (markers == NULL || errors == NULL) goto failed;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = items[i];
-        PyObject *marker;
-        if (PyByteArray_Check(item) || PyMemoryView_Check(item)) {
-            PyObject *copy = PyBytes_FromObject(item); /* as decode_marker does */
-            if (copy == NULL) goto failed;
-            marker = decode(module, copy);
-            Py_DECREF(copy);
-        } else {
-            marker = decode(module, item);
+        int refused;
+        PyObject *marker = decode_or_refuse(module, items[i], i, errors, &refused);
+        if (marker == NULL) {
+            if (!refused) goto failed;
+            Py_INCREF(Py_None);
+            marker = Py_None;
         }
-        if (marker != NULL) {
-            PyList_SET_ITEM(markers, i, marker);
-            continue;
-        }
-        if (error_cls == NULL || !PyErr_ExceptionMatches(error_cls)) goto failed;
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *message;
-        if (value != NULL && PyUnicode_Check(value)) {
-            message = value;
-            Py_INCREF(message);
-        } else if (value != NULL) {
-            message = PyObject_Str(value);
-        } else {
-            message = PyUnicode_FromString("malformed marker");
-        }
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        if (message == NULL) goto failed;
-        PyObject *pair = Py_BuildValue("(nN)", i, message); /* steals message */
-        if (pair == NULL) goto failed;
-        int appended = PyList_Append(errors, pair);
-        Py_DECREF(pair);
-        if (appended < 0) goto failed;
-        Py_INCREF(Py_None);
-        PyList_SET_ITEM(markers, i, Py_None);
+        PyList_SET_ITEM(markers, i, marker);
     }
     Py_DECREF(seq);
     return Py_BuildValue("(NN)", markers, errors); /* steals both */
@@ -516,6 +527,159 @@ failed:
     Py_XDECREF(markers);
     Py_XDECREF(errors);
     return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------
+ * sort_records(records, markers_partition, now_ms, pending_cls)
+ *     -> (accepted, errors, wheres, samples, where_of)
+ *
+ * Ingest's per-record work for one markers partition's fetched records, in one pass
+ * (tracker/engine/record_decoding.py has the Python twin and says why): decode each
+ * record's value; a refused one goes to `errors` as (record index, message); every other
+ * becomes a PendingMarker (`pending_cls`, a tuple subclass: marker, ref_ms, markers_partition,
+ * markers_offset) in `accepted`, its ref_ms the record's timestamp clamped to [0, now_ms]
+ * (an unknown or future timestamp counts as now_ms). No object is made per record beyond the
+ * marker and its PendingMarker: the partition, offset and timestamp ints are the ones given.
+ *
+ * `wheres` lists each distinct (topic, partition, origin_topic, origin_partition) of the
+ * accepted markers in the order first seen, `samples` the first marker with each, and
+ * `where_of` (bytes, native int32 per accepted marker) the index of its where: the caller
+ * checks each where once, and looks at `where_of` only if one is refused. */
+
+static PyObject *attr_value = NULL, *attr_timestamp = NULL, *attr_offset = NULL;
+
+static PyObject *sort_records(PyObject *module, PyObject *args) {
+    PyObject *records, *partition_obj, *now_obj;
+    PyTypeObject *pending_cls;
+    if (!PyArg_ParseTuple(args, "OO!O!O!", &records, &PyLong_Type, &partition_obj, &PyLong_Type,
+                          &now_obj, &PyType_Type, &pending_cls)) {
+        return NULL;
+    }
+    if (marker_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_speedups.configure() was not called");
+        return NULL;
+    }
+    if (!PyType_IsSubtype(pending_cls, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "sort_records: pending_cls must be a tuple subclass");
+        return NULL;
+    }
+    long long now = PyLong_AsLongLong(now_obj);
+    if (now == -1 && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(records, "sort_records() needs a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *accepted = PyList_New(n);
+    PyObject *errors = PyList_New(0);
+    PyObject *wheres = PyList_New(0);
+    PyObject *samples = PyList_New(0);
+    PyObject *index = PyDict_New();
+    PyObject *where_of = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    PyObject *result = NULL;
+    Py_ssize_t count = 0;
+    if (accepted == NULL || errors == NULL || wheres == NULL || samples == NULL || index == NULL ||
+        where_of == NULL) {
+        goto done;
+    }
+    int32_t *where_ids = (int32_t *)PyBytes_AS_STRING(where_of);
+    /* The last where seen (borrowed from its key tuple in `wheres`, which keeps them alive). */
+    PyObject *last_topic = NULL, *last_origin = NULL;
+    long last_partition = -1, last_origin_partition = -1;
+    int32_t last_id = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *record = items[i];
+        PyObject *value = PyObject_GetAttr(record, attr_value);
+        if (value == NULL) goto done;
+        int refused;
+        PyObject *marker = decode_or_refuse(module, value, i, errors, &refused);
+        Py_DECREF(value);
+        if (marker == NULL) {
+            if (refused) continue;
+            goto done;
+        }
+        PyObject *topic = PyTuple_GET_ITEM(marker, 2);
+        PyObject *partition = PyTuple_GET_ITEM(marker, 3);
+        PyObject *origin = topic, *origin_partition = partition;
+        if (Py_TYPE(marker) != range_type) {
+            origin = PyTuple_GET_ITEM(marker, 6);
+            origin_partition = PyTuple_GET_ITEM(marker, 7);
+        }
+        long p = PyLong_AsLong(partition), op = PyLong_AsLong(origin_partition);
+        if (!(topic == last_topic && origin == last_origin && p == last_partition &&
+              op == last_origin_partition)) {
+            PyObject *key = PyTuple_Pack(4, topic, partition, origin, origin_partition);
+            if (key == NULL) { Py_DECREF(marker); goto done; }
+            PyObject *found = PyDict_GetItemWithError(index, key); /* borrowed */
+            if (found != NULL) {
+                last_id = (int32_t)PyLong_AsLong(found);
+                /* Point at the stored key's strs, which outlive this loop. */
+                PyObject *stored = PyList_GET_ITEM(wheres, last_id);
+                last_topic = PyTuple_GET_ITEM(stored, 0);
+                last_origin = PyTuple_GET_ITEM(stored, 2);
+                Py_DECREF(key);
+            } else if (PyErr_Occurred()) {
+                Py_DECREF(key);
+                Py_DECREF(marker);
+                goto done;
+            } else {
+                PyObject *id = PyLong_FromSsize_t(PyList_GET_SIZE(wheres));
+                int bad = id == NULL || PyDict_SetItem(index, key, id) < 0 ||
+                          PyList_Append(wheres, key) < 0 || PyList_Append(samples, marker) < 0;
+                Py_XDECREF(id);
+                Py_DECREF(key);
+                if (bad) { Py_DECREF(marker); goto done; }
+                last_id = (int32_t)(PyList_GET_SIZE(wheres) - 1);
+                last_topic = topic; /* kept alive by the key in `wheres` */
+                last_origin = origin;
+            }
+            last_partition = p;
+            last_origin_partition = op;
+        }
+        PyObject *timestamp = PyObject_GetAttr(record, attr_timestamp);
+        if (timestamp == NULL) { Py_DECREF(marker); goto done; }
+        long long ts = PyLong_AsLongLong(timestamp);
+        if (ts == -1 && PyErr_Occurred()) { Py_DECREF(timestamp); Py_DECREF(marker); goto done; }
+        if (ts < 0 || ts > now) {
+            /* Durations never count from the future: a writer whose clock runs ahead must
+             * not make the tracker redeliver early. */
+            Py_DECREF(timestamp);
+            Py_INCREF(now_obj);
+            timestamp = now_obj;
+        }
+        PyObject *offset = PyObject_GetAttr(record, attr_offset);
+        if (offset == NULL) { Py_DECREF(timestamp); Py_DECREF(marker); goto done; }
+        PyObject *pending = pending_cls->tp_alloc(pending_cls, 4);
+        if (pending == NULL) {
+            Py_DECREF(offset);
+            Py_DECREF(timestamp);
+            Py_DECREF(marker);
+            goto done;
+        }
+        Py_INCREF(partition_obj);
+        PyTuple_SET_ITEM(pending, 0, marker); /* steals the references */
+        PyTuple_SET_ITEM(pending, 1, timestamp);
+        PyTuple_SET_ITEM(pending, 2, partition_obj);
+        PyTuple_SET_ITEM(pending, 3, offset);
+        /* A marker tuple and ints: no cycle possible (as for the markers themselves). */
+        PyObject_GC_UnTrack(pending);
+        PyList_SET_ITEM(accepted, count, pending);
+        where_ids[count] = last_id;
+        count++;
+    }
+    if (PyList_SetSlice(accepted, count, n, NULL) < 0) goto done;
+    if (count < n && _PyBytes_Resize(&where_of, count * (Py_ssize_t)sizeof(int32_t)) < 0) goto done;
+    result = PyTuple_Pack(5, accepted, errors, wheres, samples, where_of);
+
+done:
+    /* On failure the list's items past `count` are NULL, which a list frees fine. */
+    Py_XDECREF(accepted);
+    Py_XDECREF(errors);
+    Py_XDECREF(wheres);
+    Py_XDECREF(samples);
+    Py_XDECREF(index);
+    Py_XDECREF(where_of);
+    Py_DECREF(seq);
+    return result;
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -838,6 +1002,9 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_O, "Decode one marker value (see tracker.protocol.decode_marker)."},
     {"decode_many", decode_many, METH_O,
      "decode_many(values) -> (markers, [(index, message), ...]) (see tracker.protocol.decode_batch)."},
+    {"sort_records", sort_records, METH_VARARGS,
+     "sort_records(records, markers_partition, now_ms, pending_cls) -> (accepted, errors, wheres, "
+     "samples, where_of) (see tracker.engine.record_decoding)."},
     {"marker_columns", marker_columns, METH_O,
      "marker_columns(markers) -> column buffers, one row per message (see pipeline.marker_batches)."},
     {"untrack_list", untrack_list, METH_O,
@@ -855,5 +1022,9 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__speedups(void) {
     empty_str = PyUnicode_FromString("");
     if (empty_str == NULL) return NULL;
+    attr_value = PyUnicode_InternFromString("value");
+    attr_timestamp = PyUnicode_InternFromString("timestamp");
+    attr_offset = PyUnicode_InternFromString("offset");
+    if (attr_value == NULL || attr_timestamp == NULL || attr_offset == NULL) return NULL;
     return PyModule_Create(&module_def);
 }

@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 from tracker.clock import Clock, to_millis
 from tracker.engine.parking import Rejected
+from tracker.engine.record_decoding import sort_records
 from tracker.partitioning import marker_key, markers_partition
-from tracker.protocol import AnyMarker, decode_batch
+from tracker.protocol import AnyMarker
 from tracker.store.port import PendingMarker
 
 #: Category (``kmq_markers_invalid_total`` reason) of a marker not on its origin's partition.
@@ -44,36 +45,31 @@ class MarkerSorter:
     async def sort(
         self, partition: int, records: list[Any]
     ) -> tuple[list[PendingMarker], list[Rejected]]:
-        """Decode and check one partition's records: what to apply, what to refuse."""
-        now_ms = to_millis(self._clock.now())
-        decoded = decode_batch([r.value for r in records])
-        if self._check is not None:
-            topics = {m.topic for m in decoded.markers if m is not None}
-            topics |= {m.origin_topic for m in decoded.markers if m is not None}
-            await self._check.prepare(topics)
+        """Decode and check one partition's records: what to apply, what to refuse.
+
+        Each distinct where (topics and partitions a marker names) is checked once, not each
+        marker: a batch names few, and one refused where is the rare case that looks at the
+        markers one by one.
+        """
+        decoded = sort_records(records, partition, to_millis(self._clock.now()))
         rejected: list[Rejected] = [
             Rejected(records[i], why, "malformed") for i, why in decoded.errors
         ]
-        accepted: list[PendingMarker] = []
+        if self._check is not None and decoded.wheres:
+            await self._check.prepare({t for w in decoded.wheres for t in (w[0], w[2])})
         total = self._markers_partitions()
-        # A batch names few distinct topic/partitions: check each once, not once per marker.
-        verdicts: dict[tuple[str, int, str, int], tuple[str, str] | None] = {}
-        for record, marker in zip(records, decoded.markers, strict=True):
-            if marker is None:
-                continue
-            where = (marker.topic, marker.partition, marker.origin_topic, marker.origin_partition)
-            if where in verdicts:
-                verdict = verdicts[where]
+        verdicts = [self._verdict(marker, partition, total) for marker in decoded.samples]
+        if all(verdict is None for verdict in verdicts):
+            return decoded.accepted, rejected
+        accepted: list[PendingMarker] = []
+        for pending, where, index in zip(
+            decoded.accepted, decoded.where_of, decoded.record_indexes(), strict=True
+        ):
+            verdict = verdicts[where]
+            if verdict is None:
+                accepted.append(pending)
             else:
-                verdict = verdicts[where] = self._verdict(marker, partition, total)
-            if verdict is not None:
-                rejected.append(Rejected(record, verdict[1], verdict[0]))
-                continue
-            # Durations count from the record's timestamp, but never from the future: a
-            # writer whose clock runs ahead must not make us redeliver early.
-            ts = record.timestamp
-            ref_ms = now_ms if ts < 0 or ts > now_ms else ts
-            accepted.append(PendingMarker(marker, ref_ms, partition, record.offset))
+                rejected.append(Rejected(records[index], verdict[1], verdict[0]))
         return accepted, rejected
 
     def _markers_partitions(self) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
@@ -30,9 +30,12 @@ from tracker.domain.tracked_range import TrackedRange
 from tracker.protocol import AnyMarker
 
 
-@dataclass(frozen=True, slots=True)
-class PendingMarker:
-    """A decoded marker waiting to be applied, with where it came from."""
+class PendingMarker(NamedTuple):
+    """A decoded marker waiting to be applied, with where it came from.
+
+    A named tuple, not a dataclass: ingest makes one per fetched marker, and the C pass over
+    a batch (``tracker.engine.record_decoding``) builds a tuple without calling Python.
+    """
 
     marker: AnyMarker  #: a v1 marker or a v2 range marker
     ref_ms: int  #: the reference time of its durations (record timestamp, clamped)
