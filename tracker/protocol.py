@@ -136,6 +136,11 @@ SPEEDUPS = _c_decode is not None
 c_marker_columns: Callable[[list[AnyMarker | None]], tuple[Any, ...]] | None = (
     None if _speedups_module is None else getattr(_speedups_module, "marker_columns", None)
 )  # getattr: a module built before marker_columns existed still decodes
+#: The C pass over a partition's fetched records (``tracker.engine.record_decoding`` wraps it),
+#: or None without the C decoder.
+c_sort_records: Callable[..., tuple[Any, ...]] | None = (
+    None if _speedups_module is None else _speedups_module.sort_records
+)
 
 
 def decode_marker(value: bytes | bytearray | memoryview | None) -> AnyMarker:

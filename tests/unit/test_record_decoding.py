@@ -14,9 +14,9 @@ from support.marker_strategies import markers, range_markers
 
 from tracker.engine.record_decoding import (
     DecodedRecords,
+    marker_where,
     py_sort_records,
     sort_records,
-    where_of,
 )
 from tracker.ids import MessageId
 from tracker.protocol import Marker, RangeMarker, encode_any
@@ -97,7 +97,7 @@ def test_each_where_is_listed_once_with_its_first_marker() -> None:
         assert [p.marker for p in decoded.accepted] == [a, b, other, ranged]
         assert decoded.record_indexes() == [0, 1, 2, 4]
         assert [i for i, _ in decoded.errors] == [3]
-        assert where_of(ranged) == decoded.wheres[0]
+        assert marker_where(ranged) == decoded.wheres[0]
 
 
 @pytest.mark.parametrize("timestamp", [-1, NOW_MS + 1, NOW_MS + 3_600_000])

@@ -21,8 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tracker.c_extension import load_c_extension
-from tracker.protocol import SPEEDUPS, AnyMarker, decode_batch
+from tracker.protocol import AnyMarker, c_sort_records, decode_batch
 from tracker.store.port import PendingMarker
 
 #: Where a marker points: (topic, partition, origin topic, origin partition).
@@ -46,7 +45,7 @@ class DecodedRecords:
         return [i for i in range(total) if i not in refused]
 
 
-def where_of(marker: AnyMarker) -> Where:
+def marker_where(marker: AnyMarker) -> Where:
     return (marker.topic, marker.partition, marker.origin_topic, marker.origin_partition)
 
 
@@ -61,7 +60,7 @@ def py_sort_records(records: Sequence[Any], markers_partition: int, now_ms: int)
     for record, marker in zip(records, decoded.markers, strict=True):
         if marker is None:
             continue
-        where = where_of(marker)
+        where = marker_where(marker)
         known = wheres.get(where)
         if known is None:
             known = wheres[where] = len(wheres)
@@ -76,20 +75,17 @@ def py_sort_records(records: Sequence[Any], markers_partition: int, now_ms: int)
 
 
 def _c_sort_records() -> Callable[[Sequence[Any], int, int], DecodedRecords] | None:
-    speedups = load_c_extension() if SPEEDUPS else None
-    if speedups is None:
+    sort = c_sort_records
+    if sort is None:
         return None
-    sort = speedups.sort_records
 
-    def c_sort_records(
-        records: Sequence[Any], markers_partition: int, now_ms: int
-    ) -> DecodedRecords:
+    def sort_in_c(records: Sequence[Any], markers_partition: int, now_ms: int) -> DecodedRecords:
         accepted, errors, wheres, samples, ids = sort(
             records, markers_partition, now_ms, PendingMarker
         )
         return DecodedRecords(accepted, errors, wheres, samples, memoryview(ids).cast("i"))
 
-    return c_sort_records
+    return sort_in_c
 
 
 #: The pass ingest runs: the C one when the extension is built, else the reference.
