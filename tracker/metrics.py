@@ -121,6 +121,13 @@ class Metrics:
         for stage in ("claim", "read", "produce", "record"):
             # Exported at 0 from the start, so that an alert on increase() sees the first error.
             self.redelivery_errors.labels(stage)
+        self.read_ahead = Counter(
+            "kmq_redelivery_read_ahead_total",
+            "Originals a redelivery round wanted, by whether they had been read ahead while "
+            "ack_grace ran (hit) or were read by the round (miss).",
+            ["result"],
+            registry=r,
+        )
         # Store-wide gauges, computed from the database when /metrics is scraped.
         self.tracked_messages = Gauge(
             "kmq_tracked_messages",

@@ -138,6 +138,15 @@ class TrackerSettings(BaseSettings):
     redelivery_batch: int = Field(
         1000, ge=1, le=100_000, description="Due entries republished per round."
     )
+    read_ahead_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=0,
+        description=(
+            "Record data (keys, values, headers) redelivery may hold in memory, read from "
+            "Kafka while ack_grace runs after a deadline, so that the copy leaves without "
+            "waiting for the read; 0 reads each original when its round runs."
+        ),
+    )
     claim_lease: Duration = Field(
         timedelta(seconds=60),
         description="How long a replica holds due entries it is republishing before others may.",

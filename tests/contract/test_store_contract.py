@@ -691,6 +691,49 @@ async def test_finish_redelivery_lost_and_retry(store: TrackerStore) -> None:
     assert await store.get_entry(key(55)) == untouched
 
 
+async def test_copies_falling_due_name_the_records_redelivery_will_read(
+    store: TrackerStore,
+) -> None:
+    """What redelivery reads ahead (``tracker.engine.read_ahead``): the positions of the
+    records that entries and ranges due in a window will copy, earliest first, only the
+    owned partitions', never what the store keeps a payload for; and the query claims
+    nothing."""
+    epochs = await claim(store, [0, 1])
+    long_ms = KEEP_PAYLOAD_AFTER_MS + 1_000
+    copy = Marker.start(GROUP, msg(200), attempt=2, origin=msg(20), timeout_ms=3_000)
+    markers = [
+        pending(Marker.start(GROUP, msg(10), timeout_ms=1_000), T0, 0),
+        pending(copy, T0, 1),  # a copy's entry reads the copy's record
+        pending(RangeMarker.start(GROUP, TOPIC, 0, 30, 33, timeout_ms=2_000), T0, 2),
+        pending(RangeMarker.settle(GROUP, TOPIC, 0, 31, 31), T0, 3),
+        pending(Marker.delay(GROUP, msg(40), delay_ms=long_ms), T0, 4),  # payload kept below
+        pending(Marker.delay(GROUP, msg(41), delay_ms=long_ms), T0, 5),  # not kept yet
+        pending(Marker.start(GROUP, msg(50), timeout_ms=1_000), T0, 0, markers_partition=1),
+    ]
+    await apply(store, epochs, markers)
+    await store.store_payloads([(key(40), StoredPayload(None, b"kept", (), T0))])
+
+    found = await store.copies_falling_due([0], T0, T0 + 3_000, limit=100)
+    assert found == [
+        (T0 + 1_000, msg(10)),
+        (T0 + 2_000, msg(30)),
+        (T0 + 2_000, msg(32)),
+        (T0 + 2_000, msg(33)),
+        (T0 + 3_000, msg(200)),
+    ]
+    # the window is (after, until]: due at ``after`` was read by the look before
+    assert await store.copies_falling_due([0], T0 + 1_000, T0 + 2_000, 100) == found[1:4]
+    assert await store.copies_falling_due([0], T0, T0 + 3_000, limit=2) == found[:2]
+    assert await store.copies_falling_due([1], T0, T0 + 3_000, 100) == [(T0 + 1_000, msg(50))]
+    assert await store.copies_falling_due([0, 1], T0, T0 + 999, 100) == []
+    assert await store.copies_falling_due([], T0, T0 + 3_000, 100) == []
+    late = T0 + long_ms
+    assert await store.copies_falling_due([0], late - 1, late, 100) == [(late, msg(41))]
+    # reading ahead claims nothing: the round still finds every entry due
+    claimed, _ = await claim_due(store, epochs, T0 + 3_000, "r1", due_by={0: T0 + 3_000})
+    assert sorted(e.origin_offset for e in claimed) == [10, 20, 30, 32, 33]
+
+
 # -- payloads ------------------------------------------------------------------------------
 
 

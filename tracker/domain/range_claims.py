@@ -10,11 +10,13 @@ Per-offset work is left to what diverges (see ``DueClaims.finish_redelivery``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from tracker.domain.entries import Entry
 from tracker.domain.tracked_range import TrackedRange
+from tracker.ids import MessageId
 
 
 @dataclass(slots=True)
@@ -87,3 +89,13 @@ def take_due_ranges(
 
 
 __all__ = ["TakenRanges", "lowest_bits", "share_of_batch", "take_due_ranges"]
+
+
+def range_copies(tracked: TrackedRange, limit: int) -> list[tuple[int, MessageId]]:
+    """``(due time, position)`` of the records a due range's redelivery copies, its lowest
+    ``limit`` open offsets: a range stands for first deliveries, so each copies its origin."""
+    due, topic, partition = tracked.due_at_ms, tracked.origin_topic, tracked.origin_partition
+    return [
+        (due, MessageId(topic, partition, offset))
+        for offset in itertools.islice(tracked.offsets(), limit)
+    ]

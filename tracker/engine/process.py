@@ -23,6 +23,7 @@ from tracker.engine.connections import EngineConnections
 from tracker.engine.ingest import MarkerIngest
 from tracker.engine.parking import InvalidMarkerParker
 from tracker.engine.payloads import PayloadKeeper
+from tracker.engine.read_ahead import HeldOriginals, ReadAhead
 from tracker.engine.redeliver import Redeliverer
 from tracker.engine.redelivery_rounds import TrackerEvent
 from tracker.engine.redrive_runner import RedriveRunner
@@ -150,6 +151,7 @@ class Tracker:
             max_idle=settings.max_idle_sleep.total_seconds(),
             on_event=on_event,
             ensure_topic=self.output_topics.ensure,
+            read_ahead=self._read_ahead(settings),
         )
         self.payloads = PayloadKeeper(
             store=self.store,
@@ -175,6 +177,21 @@ class Tracker:
         self._ping: asyncio.Task[None] | None = None
 
     # -- wiring ---------------------------------------------------------------------------
+
+    def _read_ahead(self, settings: TrackerSettings) -> ReadAhead | None:
+        """Redelivery's read ahead (``tracker.engine.read_ahead``); None if turned off."""
+        if settings.read_ahead_bytes <= 0:
+            return None
+        held = HeldOriginals(
+            self.originals, max_bytes=settings.read_ahead_bytes, metrics=self.metrics
+        )
+        return ReadAhead(
+            store=self.store,
+            originals=held,
+            owned_partitions=self.ingest.owned_epochs,
+            clock=self.clock,
+            max_idle=settings.max_idle_sleep.total_seconds(),
+        )
 
     def warn_if_sqlite_shared(self) -> None:
         """SQLite is single-replica: a second tracker in the group would split the state."""

@@ -29,6 +29,7 @@ from tracker.domain.entries import Entry, EntryKey
 from tracker.domain.policy import TopicPolicy
 from tracker.engine.copies import CopyBatches
 from tracker.engine.due_alarm import DueAlarm
+from tracker.engine.read_ahead import ReadAhead
 from tracker.engine.redelivery_rounds import ClaimedRound, QueuedRound, TrackerEvent, reap_rounds
 from tracker.engine.round_copies import queue_copies, read_payloads
 from tracker.engine.round_outcome import RETRY_AFTER_MS, tally_round
@@ -63,12 +64,15 @@ class Redeliverer:
         on_event: Callable[[TrackerEvent], Awaitable[None] | None] | None = None,
         ensure_topic: Callable[[str, str], Awaitable[None]] | None = None,
         depth: int = ROUNDS_IN_FLIGHT,
+        read_ahead: ReadAhead | None = None,
     ) -> None:
         if depth < 2:
             raise ValueError("depth: at least 2 rounds (one recording, one being built)")
         self._store = store
         self._producer = producer
-        self._originals = originals
+        #: rounds take what was read ahead (``read_ahead.originals`` wraps ``originals``)
+        self._read_ahead = read_ahead
+        self._originals: OriginalsSource = originals if read_ahead is None else read_ahead.originals
         self._markers_topic = markers_topic
         self._owned_epochs = progress.owned_epochs
         self._safe_until = progress.safe_until
@@ -93,6 +97,8 @@ class Redeliverer:
     def notify_due(self, due_ms: int) -> None:
         """Ingest wrote an entry due at ``due_ms``: wake up if that is earlier than planned."""
         self._alarm.notify_due(due_ms)
+        if self._read_ahead is not None:
+            self._read_ahead.notify_due(due_ms)
 
     def notify_safe(self, safe_ms: int) -> None:
         """Ingest read further: entries due up to ``safe_ms`` may be actionable now."""
@@ -123,6 +129,21 @@ class Redeliverer:
         claimer = asyncio.create_task(
             self._claim_loop(stopping, slots, claimed_rounds), name="kmq-redelivery-claim"
         )
+        reader = (
+            None
+            if self._read_ahead is None
+            else asyncio.create_task(
+                self._read_ahead.run(stopping), name="kmq-redelivery-read-ahead"
+            )
+        )
+        if reader is not None:  # a reader that failed ends the loop, which raises it below
+            reader.add_done_callback(
+                lambda task: (
+                    None
+                    if task.cancelled() or task.exception() is None
+                    else claimed_rounds.put_nowait(None)
+                )
+            )
         try:
             while True:
                 claimed = await claimed_rounds.get()
@@ -140,7 +161,11 @@ class Redeliverer:
                     self._record_round(queued, slots), name="kmq-redelivery-record"
                 )
                 recording.add(task)
+            if reader is not None and reader.done():
+                reader.result()  # the reader failed: raise it (the claimer is cancelled)
             await claimer  # raises what the claimer raised
+            if reader is not None:
+                await reader  # stops with ``stopping``
             # Stopping: every claimed round was produced; let their records finish.
             if recording:
                 await asyncio.wait(recording)
@@ -149,6 +174,8 @@ class Redeliverer:
             # Cancelled (or failed): stop at once. Rounds not recorded come back after their
             # claim lease, as after a crash.
             claimer.cancel()
+            if reader is not None:
+                reader.cancel()
             for task in recording:
                 task.cancel()
             raise

@@ -16,8 +16,9 @@ from sqlalchemy import and_, delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
-from tracker.domain.range_claims import share_of_batch, take_due_ranges
+from tracker.domain.range_claims import range_copies, share_of_batch, take_due_ranges
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.ids import MessageId
 
 from .counts import CountChanges
 from .dialects import (
@@ -105,6 +106,41 @@ class DueClaims(PartitionOwnership):
             if values:
                 out[p] = min(values)
         return out
+
+    async def copies_falling_due(
+        self, partitions: Iterable[int], after_ms: int, until_ms: int, limit: int
+    ) -> list[tuple[int, MessageId]]:
+        owned = sorted(set(partitions))
+        if not owned or until_ms <= after_ms or limit <= 0:
+            return []
+        t, r = tracked.c, ranges_table.c
+        entry_rows = (
+            select(t.due_at_ms, t.copy_topic, t.copy_partition, t.copy_offset)
+            .where(
+                t.markers_partition.in_(owned),
+                t.due_at_ms > after_ms,
+                t.due_at_ms <= until_ms,
+                # a payload kept in the store is read from there, not from Kafka
+                or_(t.keep_payload.is_(False), t.payload_stored.is_(False)),
+            )
+            .order_by(t.due_at_ms)
+            .limit(limit)
+        )
+        range_rows = (
+            select(*(r[name] for name in RANGE_COLUMN_NAMES))
+            .where(r.markers_partition.in_(owned), r.due_at_ms > after_ms, r.due_at_ms <= until_ms)
+            .order_by(r.due_at_ms)
+            .limit(limit)
+        )
+        async with self.transaction(read_only=True) as conn:
+            found = [
+                (int(due), MessageId(topic, partition, offset))
+                for due, topic, partition, offset in await conn.execute(entry_rows)
+            ]
+            for row in await conn.execute(range_rows):
+                found += range_copies(TrackedRange.from_row(row), limit)
+        found.sort()
+        return found[:limit]
 
     async def claim_due(
         self,

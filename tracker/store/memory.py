@@ -23,9 +23,10 @@ from typing import Any
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.range_claims import share_of_batch, take_due_ranges
+from tracker.domain.range_claims import range_copies, share_of_batch, take_due_ranges
 from tracker.domain.ranges import fold_lane_changes, lane_of, touched
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
+from tracker.ids import MessageId
 from tracker.protocol import RangeMarker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
@@ -229,6 +230,28 @@ class InMemoryStore:
     async def next_due_ms(self, partitions: Iterable[int]) -> int | None:
         by_partition = await self.next_due_by_partition(partitions)
         return min(by_partition.values()) if by_partition else None
+
+    async def copies_falling_due(
+        self, partitions: Iterable[int], after_ms: int, until_ms: int, limit: int
+    ) -> list[tuple[int, MessageId]]:
+        db = self._db
+        owned = set(partitions)
+        found = [
+            (e.due_at_ms, MessageId(e.copy_topic, e.copy_partition, e.copy_offset))
+            for key, e in db.entries.items()
+            if e.markers_partition in owned
+            and e.due_at_ms is not None
+            and after_ms < e.due_at_ms <= until_ms
+            and not (e.keep_payload and key in db.payloads)
+        ]
+        for by_key in db.ranges.values():
+            for tracked_range in by_key.values():
+                if tracked_range.markers_partition in owned and (
+                    after_ms < tracked_range.due_at_ms <= until_ms
+                ):
+                    found += range_copies(tracked_range, limit)
+        found.sort()
+        return found[: max(0, limit)]
 
     async def claim_due(
         self,

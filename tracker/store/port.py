@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Protocol
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
 from tracker.domain.tracked_range import TrackedRange
+from tracker.ids import MessageId
 from tracker.protocol import AnyMarker
 
 
@@ -122,6 +123,15 @@ class TrackerStore(Protocol):
 
     async def next_due_ms(self, partitions: Iterable[int]) -> int | None:
         """The earliest due time among these partitions' entries and ranges."""
+        ...
+
+    async def copies_falling_due(
+        self, partitions: Iterable[int], after_ms: int, until_ms: int, limit: int
+    ) -> list[tuple[int, MessageId]]:
+        """``(due time, position)`` of the records that entries and ranges of these markers
+        partitions due in ``(after_ms, until_ms]`` would copy from Kafka (not those whose
+        payload the store keeps), earliest first, ``limit`` at most: what redelivery reads
+        ahead while ``ack_grace`` runs (``tracker.engine.read_ahead``). Reads only."""
         ...
 
     async def claim_due(

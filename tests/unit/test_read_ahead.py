@@ -1,0 +1,232 @@
+"""Redelivery's read ahead (``tracker.engine.read_ahead``): originals of entries past their
+deadline are read while ``ack_grace`` runs, held in bounded memory, handed to the round once.
+
+The read ahead changes when a record is read, never what a round copies: these tests check
+that a round gets the same record either way, that nothing is read twice, and that what is
+held stays within its bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+from support.engine_parts import FakeProducer, FixedProgress
+from support.waiting import until
+
+from tracker.clock import ManualClock, to_millis
+from tracker.domain.policy import ResolvedPolicy, TopicPolicy
+from tracker.engine.read_ahead import HeldOriginals, ReadAhead, record_size
+from tracker.engine.redeliver import Redeliverer
+from tracker.ids import MessageId
+from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.metrics import Metrics
+from tracker.protocol import Marker
+from tracker.store.memory import InMemoryStore
+from tracker.store.port import PartitionProgress, PendingMarker
+
+pytestmark = [pytest.mark.unit]
+
+MARKERS = "kmq-markers"
+GROUP, TOPIC = "billing", "orders"
+LEASE_MS = 1_000
+
+
+def at(offset: int) -> MessageId:
+    return MessageId(TOPIC, 0, offset)
+
+
+def record(value: bytes) -> OriginalRecord:
+    return OriginalRecord(b"k", value, (("h", b"v"),), 1)
+
+
+@dataclass
+class CountingOriginals:
+    """Originals by position; every position asked for is written down."""
+
+    records: dict[MessageId, OriginalRecord] = field(default_factory=dict)
+    asked: list[MessageId] = field(default_factory=list)
+    unavailable: bool = False
+    gate: asyncio.Event | None = None  #: set: reads wait for it
+
+    async def fetch(
+        self, positions: Sequence[MessageId]
+    ) -> dict[MessageId, OriginalRecord | Missing]:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.unavailable:
+            raise OriginalsUnavailable("broker away")
+        self.asked += positions
+        return {p: self.records.get(p, Missing("no such record")) for p in positions}
+
+
+def held_originals(source: CountingOriginals, **kwargs: float) -> HeldOriginals:
+    return HeldOriginals(
+        source, max_bytes=int(kwargs.pop("max_bytes", 1 << 20)), metrics=Metrics(), **kwargs
+    )
+
+
+async def test_a_record_read_ahead_is_handed_out_once_without_a_second_read() -> None:
+    source = CountingOriginals({at(1): record(b"one"), at(2): record(b"two")})
+    held = held_originals(source)
+    assert await held.read_ahead([at(1), at(1), at(3)]) == 1  # at(3) is missing: not held
+    assert source.asked == [at(1), at(3)]
+    assert held.held == 1
+
+    got = await held.fetch([at(1), at(2), at(3)])
+    assert got[at(1)] == record(b"one")
+    assert got[at(2)] == record(b"two")
+    assert isinstance(got[at(3)], Missing), "a missing original is the round's to record"
+    assert source.asked == [at(1), at(3), at(2), at(3)], "only what was not held is read"
+    assert held.held == 0
+    assert held.held_bytes == 0
+
+    await held.fetch([at(1)])
+    assert source.asked[-1] == at(1), "handed out once: a second round reads it again"
+
+
+async def test_what_is_held_stays_within_its_bytes_oldest_first() -> None:
+    records = {at(i): record(bytes(100)) for i in range(10)}
+    size = record_size(records[at(0)])
+    source = CountingOriginals(records)
+    held = held_originals(source, max_bytes=3 * size)
+    await held.read_ahead([at(0), at(1)])
+    await held.read_ahead([at(2), at(3), at(4)])
+    assert held.held == 3
+    assert held.held_bytes == 3 * size
+    source.asked.clear()
+    await held.fetch([at(i) for i in range(5)])
+    assert source.asked == [at(0), at(1)], "the oldest were dropped"
+
+
+async def test_a_record_no_round_takes_is_dropped_after_the_hold_time() -> None:
+    source = CountingOriginals({at(1): record(b"one"), at(2): record(b"two")})
+    held = held_originals(source, hold_seconds=0.0)
+    await held.read_ahead([at(1)])
+    assert held.held == 1
+    await held.read_ahead([at(2)])  # each read ahead first drops what is past its hold
+    assert held.held == 1
+    assert held.held_bytes == record_size(record(b"two"))
+
+
+async def test_a_broker_that_cannot_be_read_leaves_the_read_to_the_round() -> None:
+    source = CountingOriginals({at(1): record(b"one")}, unavailable=True)
+    held = held_originals(source)
+    assert await held.read_ahead([at(1)]) == 0
+    assert held.held == 0
+    with pytest.raises(OriginalsUnavailable):
+        await held.fetch([at(1)])  # the round sees the outage, and retries as before
+
+
+async def test_a_round_waits_for_the_read_ahead_under_way_instead_of_reading_twice() -> None:
+    gate = asyncio.Event()
+    source = CountingOriginals({at(1): record(b"one")}, gate=gate)
+    held = held_originals(source)
+    reading = asyncio.create_task(held.read_ahead([at(1)]))
+    await until(lambda: held._reading is not None, what="the read ahead to start")
+    fetching = asyncio.create_task(held.fetch([at(1)]))
+    await asyncio.sleep(0)
+    assert not fetching.done()
+    gate.set()
+    assert await reading == 1
+    assert (await fetching)[at(1)] == record(b"one")
+    assert source.asked == [at(1)]
+
+
+class Rig:
+    """One owned markers partition with a START, a read ahead and a redeliverer over it."""
+
+    def __init__(self) -> None:
+        self.clock = ManualClock()
+        self.store = InMemoryStore()
+        self.source = CountingOriginals()
+        self.epochs: dict[int, int] = {}
+        self.held = held_originals(self.source)
+        self.read_ahead = ReadAhead(
+            store=self.store,
+            originals=self.held,
+            owned_partitions=lambda: self.epochs,
+            clock=self.clock,
+            max_idle=30.0,
+        )
+        policy = TopicPolicy(max_attempts=5)
+        self.producer = FakeProducer()
+        self.redeliverer = Redeliverer(
+            store=self.store,
+            producer=self.producer,
+            originals=self.source,
+            markers_topic=MARKERS,
+            progress=FixedProgress(
+                owned=lambda: dict(self.epochs), safe=lambda: {0: self.now_ms()}
+            ),
+            policy_for=lambda _topic: policy,
+            clock=self.clock,
+            metrics=Metrics(),
+            batch=100,
+            claim_lease_ms=30_000,
+            max_idle=1.0,
+            read_ahead=self.read_ahead,
+        )
+
+    def now_ms(self) -> int:
+        return to_millis(self.clock.now())
+
+    async def start(self, offsets: Iterable[int]) -> None:
+        if not self.epochs:
+            claims = await self.store.claim_partitions(MARKERS, [0], "a", self.now_ms())
+            self.epochs = {0: claims[0].epoch}
+        policy = ResolvedPolicy(30_000, TopicPolicy().backoff, 3_600_000)
+        pendings = []
+        for offset in offsets:
+            self.source.records[at(offset)] = record(f"v{offset}".encode())
+            marker = Marker.start(GROUP, at(offset), timeout_ms=LEASE_MS)
+            pendings.append(PendingMarker(marker, self.now_ms(), 0, offset))
+        await self.store.apply(
+            MARKERS,
+            {0: PartitionProgress(self.epochs[0], pendings[-1].markers_offset + 1)},
+            pendings,
+            lambda _topic: policy,
+            self.now_ms(),
+        )
+
+
+async def test_entries_are_read_once_as_their_deadline_passes_and_the_round_copies_them() -> None:
+    rig = Rig()
+    await rig.start([5, 6])
+    stopping = asyncio.Event()
+    loop = asyncio.create_task(rig.read_ahead.run(stopping))
+    try:
+        await until(lambda: rig.read_ahead.looks >= 1, what="the first look")
+        assert rig.source.asked == []
+        assert rig.held.held == 0
+        rig.clock.advance(timedelta(milliseconds=LEASE_MS))
+        rig.redeliverer.notify_due(rig.now_ms())  # as ingest does: wakes the read ahead too
+        await until(lambda: rig.held.held == 2, what="both originals read ahead")
+        assert rig.source.asked == [at(5), at(6)]
+        rig.clock.advance(timedelta(milliseconds=200))
+        looks = rig.read_ahead.looks
+        await until(lambda: rig.read_ahead.looks >= looks + 2, what="two more looks")
+        assert rig.source.asked == [at(5), at(6)]
+
+        assert await rig.redeliverer.run_round() == 2
+        assert rig.source.asked == [at(5), at(6)], "the round read nothing itself"
+        assert sorted(value or b"" for _, value, _ in rig.producer.logs[TOPIC]) == [b"v5", b"v6"]
+        assert rig.held.held == 0
+    finally:
+        stopping.set()
+        await loop
+
+
+async def test_a_read_ahead_that_fails_stops_redelivery_with_its_error() -> None:
+    rig = Rig()
+    await rig.start([5])
+
+    async def broken(*_args: object) -> list[tuple[int, MessageId]]:
+        raise RuntimeError("a bug in the read ahead")
+
+    rig.store.copies_falling_due = broken  # type: ignore[method-assign,assignment]
+    with pytest.raises(RuntimeError, match="a bug in the read ahead"):
+        await asyncio.wait_for(rig.redeliverer.run(asyncio.Event()), 5)

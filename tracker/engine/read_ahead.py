@@ -1,0 +1,227 @@
+"""Reading originals ahead: an expired entry's record is read while ``ack_grace`` runs.
+
+An entry may be redelivered once it is due *and* ingest has read its markers partition past
+due + ``ack_grace`` (the safe horizon, ``tracker.engine.due_alarm``). For that grace (500 ms by
+default) the tracker already knows the entry will very likely be redelivered (only an ACK
+written before the deadline and still on its way can save it) and which record it will copy.
+Reading that record then, instead of after the claim, takes the read (a Kafka fetch, about
+half of a round) out of the time between the horizon passing and the copy leaving: the round
+finds the record in memory. This is the lateness budget's second half (issue 14).
+
+:class:`HeldOriginals` is the round's ``OriginalsSource``: records read ahead are handed out
+once, anything else is read as before. It is bounded: at most ``max_bytes`` of record data
+are held (the oldest go first), and a record no round took within ``HOLD_SECONDS`` (its
+entry was acked in the grace, another replica took its partition) is dropped. Kafka never
+changes the record at a position; a held record can only differ from a fresh read in that
+retention or compaction removed it meanwhile, and then the round copies a record that existed
+moments ago instead of recording it lost.
+
+:class:`ReadAhead` decides what to read: every due entry and range of the owned markers
+partitions once, as its deadline passes (``TrackerStore.copies_falling_due``, a read-only
+query on the due-time indexes), woken early when ingest writes a nearer due time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from tracker.clock import Clock, to_millis
+from tracker.engine.wakeup import wait_any
+from tracker.ids import MessageId
+from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
+from tracker.metrics import Metrics
+from tracker.ports import OriginalsSource
+from tracker.store import StoreUnavailable
+from tracker.store.port import TrackerStore
+
+log = logging.getLogger(__name__)
+
+#: A record read ahead and not taken by a round within this long is dropped.
+HOLD_SECONDS = 10.0
+#: How often due entries are looked for while some are due or falling due.
+TICK_SECONDS = 0.05
+#: Positions read ahead per look at most (one batched read, like a round's).
+READ_AHEAD_BATCH = 2000
+
+
+def record_size(record: OriginalRecord) -> int:
+    """The bytes a held record keeps alive (key, value and headers; not Python's overhead)."""
+    size = len(record.key or b"") + len(record.value or b"")
+    for name, value in record.headers:
+        size += len(name) + len(value or b"")
+    return size
+
+
+class HeldOriginals:
+    """Originals read ahead, handed to the round that needs them (an ``OriginalsSource``)."""
+
+    def __init__(
+        self,
+        source: OriginalsSource,
+        *,
+        max_bytes: int,
+        metrics: Metrics,
+        hold_seconds: float = HOLD_SECONDS,
+    ) -> None:
+        self._source = source
+        self._max_bytes = max_bytes
+        self._hold = hold_seconds
+        self._metrics = metrics
+        #: position -> (monotonic time read, record, size), oldest first
+        self._held: OrderedDict[MessageId, tuple[float, OriginalRecord, int]] = OrderedDict()
+        self._bytes = 0
+        #: the read ahead under way and its positions: a round that wants one waits for it
+        self._reading: asyncio.Future[None] | None = None
+        self._reading_positions: frozenset[MessageId] = frozenset()
+
+    @property
+    def held(self) -> int:
+        """Records held now."""
+        return len(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    async def fetch(
+        self, positions: Sequence[MessageId]
+    ) -> dict[MessageId, OriginalRecord | Missing]:
+        """The records at ``positions``: those read ahead (handed out once), the rest read now."""
+        reading = self._reading
+        if reading is not None and not self._reading_positions.isdisjoint(positions):
+            await asyncio.shield(reading)  # read twice at once, it would be held and wasted
+        out: dict[MessageId, OriginalRecord | Missing] = {}
+        rest: list[MessageId] = []
+        for position in positions:
+            held = self._held.pop(position, None)
+            if held is None:
+                rest.append(position)
+            else:
+                self._bytes -= held[2]
+                out[position] = held[1]
+        hits = len(out)
+        if hits:
+            self._metrics.read_ahead.labels("hit").inc(hits)
+        if rest:
+            self._metrics.read_ahead.labels("miss").inc(len(rest))
+            out.update(await self._source.fetch(rest))
+        return out
+
+    async def read_ahead(self, positions: Iterable[MessageId]) -> int:
+        """Read and hold the records at ``positions`` not held yet; returns how many were read.
+
+        A broker that cannot be read now is no error here: the round reads them itself.
+        """
+        self._expire()
+        wanted = [p for p in dict.fromkeys(positions) if p not in self._held]
+        if not wanted or self._max_bytes <= 0:
+            return 0
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reading, self._reading_positions = done, frozenset(wanted)
+        try:
+            found = await self._source.fetch(wanted)
+        except OriginalsUnavailable as exc:
+            log.debug("read ahead skipped, originals unavailable: %s", exc)
+            return 0
+        finally:
+            self._reading, self._reading_positions = None, frozenset()
+            done.set_result(None)
+        now = time.monotonic()
+        read = 0
+        for position, record in found.items():
+            if isinstance(record, OriginalRecord):  # a missing one is the round's to record
+                size = record_size(record)
+                self._held[position] = (now, record, size)
+                self._bytes += size
+                read += 1
+        while self._bytes > self._max_bytes and self._held:
+            self._bytes -= self._held.popitem(last=False)[1][2]
+        return read
+
+    def _expire(self) -> None:
+        """Drop what no round took within the hold time."""
+        oldest = time.monotonic() - self._hold
+        held = self._held
+        while held:
+            position, (read_at, _record, size) = next(iter(held.items()))
+            if read_at > oldest:
+                break
+            del held[position]
+            self._bytes -= size
+
+
+class ReadAhead:
+    """Reads each due entry's original once its deadline passes, for the round to come."""
+
+    def __init__(
+        self,
+        *,
+        store: TrackerStore,
+        originals: HeldOriginals,
+        owned_partitions: Callable[[], Iterable[int]],
+        clock: Clock,
+        max_idle: float,
+        batch: int = READ_AHEAD_BATCH,
+    ) -> None:
+        self._store = store
+        self.originals = originals
+        self._owned = owned_partitions
+        self._clock = clock
+        self._max_idle = max_idle
+        self._batch = batch
+        self._wake = asyncio.Event()
+        self._wake_at_ms: int | None = None
+        #: looks at the store so far (tests wait on it)
+        self.looks = 0
+
+    def notify_due(self, due_ms: int) -> None:
+        """Ingest wrote an entry due at ``due_ms``: look at it then, if sooner than planned."""
+        wake_at = self._wake_at_ms
+        if wake_at is None or due_ms < wake_at:
+            self._wake.set()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Until ``stopping``: read ahead what fell due since the last look, then sleep until
+        the next due time (a tick while entries wait for their claim)."""
+        after_ms = to_millis(self._clock.now())  # a backlog due before the start: the rounds'
+        backoff = 0.5
+        while not stopping.is_set():
+            self._wake.clear()
+            try:
+                after_ms, delay = await self._look(after_ms)
+                backoff = 0.5
+            except StoreUnavailable as exc:
+                log.debug("read ahead paused, store unavailable: %s", exc)
+                delay, backoff = backoff, min(backoff * 2, 10.0)
+            if delay > 0:
+                self._wake_at_ms = to_millis(self._clock.now()) + int(delay * 1000)
+                try:
+                    await wait_any(self._wake, stopping, timeout=delay)
+                finally:
+                    self._wake_at_ms = None
+
+    async def _look(self, after_ms: int) -> tuple[int, float]:
+        """Read ahead the copies due in ``(after_ms, now]``; returns the new ``after_ms`` and
+        how long to sleep."""
+        owned = sorted(self._owned())
+        now_ms = to_millis(self._clock.now())
+        if not owned:
+            return now_ms, self._max_idle
+        found = await self._store.copies_falling_due(owned, after_ms, now_ms, self._batch)
+        self.looks += 1
+        if found:
+            await self.originals.read_ahead(position for _, position in found)
+        if len(found) >= self._batch:
+            # More fell due than one read takes: go on from the last one at once (copies of
+            # the same due time past the batch are read by their round).
+            return found[-1][0], 0.0
+        next_due = await self._store.next_due_ms(owned)
+        if next_due is None:
+            return now_ms, self._max_idle
+        # Entries due and not claimed yet keep the next due time at or before now: look again
+        # in a tick for those falling due meanwhile.
+        return now_ms, min(self._max_idle, max(TICK_SECONDS, (next_due - now_ms) / 1000))
