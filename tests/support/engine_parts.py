@@ -12,7 +12,14 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from tracker.clock import ManualClock, to_millis
 from tracker.domain.entries import EntryKey
+from tracker.domain.policy import TopicPolicy
+from tracker.engine.read_ahead import ReadAhead
+from tracker.engine.redeliver import Redeliverer
+from tracker.metrics import Metrics
+from tracker.ports import OriginalsSource
+from tracker.store.port import TrackerStore
 
 
 def _nothing_pending(_keys: Iterable[EntryKey]) -> set[EntryKey]:
@@ -209,3 +216,34 @@ class FakeMarkersConsumer:
 
     def assignment(self) -> set[TopicPartition]:
         return {TopicPartition(self.topic, p) for p in self.positions}
+
+
+def redeliverer_without_ingest(
+    *,
+    store: TrackerStore,
+    producer: Any,
+    originals: OriginalsSource,
+    clock: ManualClock,
+    epochs: Callable[[], dict[int, int]],
+    max_attempts: int,
+    read_ahead: ReadAhead | None = None,
+) -> Redeliverer:
+    """A redeliverer over markers partition 0 whose safe horizon is the clock (no ingest):
+    every entry due by the test's clock may be acted on."""
+    policy = TopicPolicy(max_attempts=max_attempts)
+    return Redeliverer(
+        store=store,
+        producer=producer,
+        originals=originals,
+        markers_topic="kmq-markers",
+        progress=FixedProgress(
+            owned=lambda: dict(epochs()), safe=lambda: {0: to_millis(clock.now())}
+        ),
+        policy_for=lambda _topic: policy,
+        clock=clock,
+        metrics=Metrics(),
+        batch=100,
+        claim_lease_ms=30_000,
+        max_idle=1.0,
+        read_ahead=read_ahead,
+    )

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
-from support.engine_parts import FakeProducer, FixedProgress
+from support.engine_parts import FakeProducer, redeliverer_without_ingest
 from support.waiting import until
 
 from tracker.clock import ManualClock, to_millis
 from tracker.domain.policy import ResolvedPolicy, TopicPolicy
 from tracker.engine.read_ahead import HeldOriginals, ReadAhead, record_size
-from tracker.engine.redeliver import Redeliverer
 from tracker.ids import MessageId
 from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
 from tracker.metrics import Metrics
@@ -152,22 +151,14 @@ class Rig:
             clock=self.clock,
             max_idle=30.0,
         )
-        policy = TopicPolicy(max_attempts=5)
         self.producer = FakeProducer()
-        self.redeliverer = Redeliverer(
+        self.redeliverer = redeliverer_without_ingest(
             store=self.store,
             producer=self.producer,
             originals=self.source,
-            markers_topic=MARKERS,
-            progress=FixedProgress(
-                owned=lambda: dict(self.epochs), safe=lambda: {0: self.now_ms()}
-            ),
-            policy_for=lambda _topic: policy,
             clock=self.clock,
-            metrics=Metrics(),
-            batch=100,
-            claim_lease_ms=30_000,
-            max_idle=1.0,
+            epochs=lambda: self.epochs,
+            max_attempts=5,
             read_ahead=self.read_ahead,
         )
 

@@ -12,16 +12,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import pytest
-from support.engine_parts import FakeProducer, FixedProgress
+from support.engine_parts import FakeProducer, redeliverer_without_ingest
 
 from tracker import headers as h
 from tracker.clock import ManualClock, to_millis
 from tracker.domain.entries import State
 from tracker.domain.policy import ResolvedPolicy, TopicPolicy
-from tracker.engine.redeliver import Redeliverer
 from tracker.ids import MessageId
 from tracker.kafka.original_records import Missing, OriginalRecord
-from tracker.metrics import Metrics
 from tracker.protocol import Marker
 from tracker.store.memory import InMemoryStore
 from tracker.store.port import PartitionProgress, PendingMarker
@@ -52,21 +50,13 @@ class Rig:
         self.producer = FakeProducer()
         self.originals = FakeOriginals()
         self.epochs: dict[int, int] = {}
-        policy = TopicPolicy(max_attempts=max_attempts)
-        self.redeliverer = Redeliverer(
+        self.redeliverer = redeliverer_without_ingest(
             store=self.store,
             producer=self.producer,
             originals=self.originals,
-            markers_topic=MARKERS,
-            progress=FixedProgress(
-                owned=lambda: dict(self.epochs), safe=lambda: {0: self.now_ms()}
-            ),
-            policy_for=lambda _topic: policy,
             clock=self.clock,
-            metrics=Metrics(),
-            batch=100,
-            claim_lease_ms=30_000,
-            max_idle=1.0,
+            epochs=lambda: self.epochs,
+            max_attempts=max_attempts,
         )
 
     def now_ms(self) -> int:
