@@ -211,6 +211,21 @@ async def test_entries_are_read_once_as_their_deadline_passes_and_the_round_copi
         await loop
 
 
+async def test_partitions_taken_over_are_looked_at_at_once() -> None:
+    rig = Rig()  # owns nothing yet
+    stopping = asyncio.Event()
+    loop = asyncio.create_task(rig.read_ahead.run(stopping))
+    try:
+        await until(lambda: rig.read_ahead.looks == 0 and rig.read_ahead._wake_at_ms is not None)
+        await rig.start([5])  # takes partition 0 over, with an entry due in a second
+        rig.clock.advance(timedelta(milliseconds=LEASE_MS))
+        rig.redeliverer.notify_ownership()  # not a due time: the takeover alone wakes it
+        await until(lambda: rig.held.held == 1, what="the taken-over entry read ahead")
+    finally:
+        stopping.set()
+        await loop
+
+
 async def test_a_read_ahead_that_fails_stops_redelivery_with_its_error() -> None:
     rig = Rig()
     await rig.start([5])

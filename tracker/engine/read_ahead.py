@@ -184,6 +184,11 @@ class ReadAhead:
         if wake_at is None or due_ms < wake_at:
             self._wake.set()
 
+    def notify_ownership(self) -> None:
+        """The replica's markers partitions changed: look at once (a replica that starts owns
+        none at its first look, and would otherwise sleep ``max_idle``)."""
+        self._wake.set()
+
     async def run(self, stopping: asyncio.Event) -> None:
         """Until ``stopping``: read ahead what fell due since the last look, then sleep until
         the next due time (a tick while entries wait for their claim)."""

@@ -107,6 +107,8 @@ class Redeliverer:
     def notify_ownership(self) -> None:
         """The replica's markers partitions changed: look again at once."""
         self._alarm.notify_ownership()
+        if self._read_ahead is not None:
+            self._read_ahead.notify_ownership()
 
     # -- the loop ------------------------------------------------------------------------
 
