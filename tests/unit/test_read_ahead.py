@@ -87,18 +87,21 @@ async def test_a_record_read_ahead_is_handed_out_once_without_a_second_read() ->
     assert source.asked[-1] == at(1), "handed out once: a second round reads it again"
 
 
-async def test_what_is_held_stays_within_its_bytes_oldest_first() -> None:
+async def test_what_is_held_stays_within_its_bytes_keeping_the_earliest_due() -> None:
     records = {at(i): record(bytes(100)) for i in range(10)}
     size = record_size(records[at(0)])
     source = CountingOriginals(records)
     held = held_originals(source, max_bytes=3 * size)
     await held.read_ahead([at(0), at(1)])
-    await held.read_ahead([at(2), at(3), at(4)])
+    assert await held.read_ahead([at(2), at(3), at(4)]) == 1, "full after the first of them"
     assert held.held == 3
     assert held.held_bytes == 3 * size
     source.asked.clear()
+    assert await held.read_ahead([at(5)]) == 0
+    assert source.asked == [], "nothing is read while full"
     await held.fetch([at(i) for i in range(5)])
-    assert source.asked == [at(0), at(1)], "the oldest were dropped"
+    assert source.asked == [at(3), at(4)], "the earliest asked for were kept"
+    assert await held.read_ahead([at(5)]) == 1, "rounds took what was held: room again"
 
 
 async def test_a_record_no_round_takes_is_dropped_after_the_hold_time() -> None:

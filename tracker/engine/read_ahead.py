@@ -10,7 +10,10 @@ finds the record in memory. This is the lateness budget's second half (issue 14)
 
 :class:`HeldOriginals` is the round's ``OriginalsSource``: records read ahead are handed out
 once, anything else is read as before. It is bounded: at most ``max_bytes`` of record data
-are held (the oldest go first), and a record no round took within ``HOLD_SECONDS`` (its
+are held, and once that is reached nothing more is read ahead until rounds take what is held
+(rounds claim in due order, so the earliest records are the ones to keep: in a burst of
+expiries, dropping them for later ones would make every round miss). A record no round took
+within ``HOLD_SECONDS`` (its
 entry was acked in the grace, another replica took its partition) is dropped. Kafka never
 changes the record at a position; a held record can only differ from a fresh read in that
 retention or compaction removed it meanwhile, and then the round copies a record that existed
@@ -118,7 +121,7 @@ class HeldOriginals:
         """
         self._expire()
         wanted = [p for p in dict.fromkeys(positions) if p not in self._held]
-        if not wanted or self._max_bytes <= 0:
+        if not wanted or self._bytes >= self._max_bytes:
             return 0
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._reading, self._reading_positions = done, frozenset(wanted)
@@ -132,14 +135,16 @@ class HeldOriginals:
             done.set_result(None)
         now = time.monotonic()
         read = 0
-        for position, record in found.items():
-            if isinstance(record, OriginalRecord):  # a missing one is the round's to record
-                size = record_size(record)
-                self._held[position] = (now, record, size)
-                self._bytes += size
-                read += 1
-        while self._bytes > self._max_bytes and self._held:
-            self._bytes -= self._held.popitem(last=False)[1][2]
+        for position in wanted:  # in the order asked: the earliest due first
+            record = found.get(position)
+            if not isinstance(record, OriginalRecord):  # a missing one is the round's to record
+                continue
+            size = record_size(record)
+            if self._bytes + size > self._max_bytes:
+                break  # full: the rest is read by its round
+            self._held[position] = (now, record, size)
+            self._bytes += size
+            read += 1
         return read
 
     def _expire(self) -> None:
