@@ -19,6 +19,8 @@ from support.waiting import until
 
 from tracker.clock import ManualClock, to_millis
 from tracker.domain.policy import ResolvedPolicy, TopicPolicy
+from tracker.domain.range_claims import range_copies
+from tracker.domain.tracked_range import TrackedRange
 from tracker.engine.read_ahead import HeldOriginals, ReadAhead, record_size
 from tracker.ids import MessageId
 from tracker.kafka.original_records import Missing, OriginalRecord, OriginalsUnavailable
@@ -136,6 +138,14 @@ async def test_a_round_waits_for_the_read_ahead_under_way_instead_of_reading_twi
     assert await reading == 1
     assert (await fetching)[at(1)] == record(b"one")
     assert source.asked == [at(1)]
+
+
+def test_due_ranges_are_expanded_only_as_far_as_the_limit_reaches() -> None:
+    first = TrackedRange(GROUP, TOPIC, 0, 0, 10, 0b1011, 5, 1, 1, "c", None)  # 10, 11, 13
+    wide = TrackedRange(GROUP, TOPIC, 0, 0, 100, (1 << 65_536) - 1, 6, 1, 1, "c", None)
+    assert range_copies([first, wide], 4) == [(5, at(10)), (5, at(11)), (5, at(13)), (6, at(100))]
+    assert range_copies([first, wide], 2) == [(5, at(10)), (5, at(11))]
+    assert range_copies([first, wide], 0) == []
 
 
 class Rig:

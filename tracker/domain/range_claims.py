@@ -88,14 +88,21 @@ def take_due_ranges(
     return taken
 
 
-__all__ = ["TakenRanges", "lowest_bits", "share_of_batch", "take_due_ranges"]
+def range_copies(ranges: Iterable[TrackedRange], limit: int) -> list[tuple[int, MessageId]]:
+    """``(due time, position)`` of the records that due ranges (in due order) copy when
+    redelivered, ``limit`` at most: a range stands for first deliveries, so each offset
+    copies its origin. Expands only as far as ``limit`` reaches, not every range in full (a
+    range may hold 65,536 offsets)."""
+    out: list[tuple[int, MessageId]] = []
+    for tracked in ranges:
+        if len(out) >= limit:
+            break
+        due, topic, partition = tracked.due_at_ms, tracked.origin_topic, tracked.origin_partition
+        out += [
+            (due, MessageId(topic, partition, offset))
+            for offset in itertools.islice(tracked.offsets(), limit - len(out))
+        ]
+    return out
 
 
-def range_copies(tracked: TrackedRange, limit: int) -> list[tuple[int, MessageId]]:
-    """``(due time, position)`` of the records a due range's redelivery copies, its lowest
-    ``limit`` open offsets: a range stands for first deliveries, so each copies its origin."""
-    due, topic, partition = tracked.due_at_ms, tracked.origin_topic, tracked.origin_partition
-    return [
-        (due, MessageId(topic, partition, offset))
-        for offset in itertools.islice(tracked.offsets(), limit)
-    ]
+__all__ = ["TakenRanges", "lowest_bits", "range_copies", "share_of_batch", "take_due_ranges"]

@@ -13,11 +13,10 @@ once, anything else is read as before. It is bounded: at most ``max_bytes`` of r
 are held, and once that is reached nothing more is read ahead until rounds take what is held
 (rounds claim in due order, so the earliest records are the ones to keep: in a burst of
 expiries, dropping them for later ones would make every round miss). A record no round took
-within ``HOLD_SECONDS`` (its
-entry was acked in the grace, another replica took its partition) is dropped. Kafka never
-changes the record at a position; a held record can only differ from a fresh read in that
-retention or compaction removed it meanwhile, and then the round copies a record that existed
-moments ago instead of recording it lost.
+within ``HOLD_SECONDS`` (its entry was acked in the grace, another replica took its
+partition) is dropped. Kafka never changes the record at a position; a held record can only
+differ from a fresh read in that retention or compaction removed it meanwhile, and then the
+round copies a record that existed moments ago instead of recording it lost.
 
 :class:`ReadAhead` decides what to read: every due entry and range of the owned markers
 partitions once, as its deadline passes (``TrackerStore.copies_falling_due``, a read-only
@@ -229,9 +228,12 @@ class ReadAhead:
             # More fell due than one read takes: go on from the last one at once (copies of
             # the same due time past the batch are read by their round).
             return found[-1][0], 0.0
+        if found:
+            # They are due and not claimed yet, so the next due time is at or before now:
+            # look again in a tick for those falling due meanwhile (no need to ask).
+            return now_ms, TICK_SECONDS
         next_due = await self._store.next_due_ms(owned)
         if next_due is None:
             return now_ms, self._max_idle
-        # Entries due and not claimed yet keep the next due time at or before now: look again
-        # in a tick for those falling due meanwhile.
+        # Entries due and not claimed yet keep the next due time at or before now: a tick.
         return now_ms, min(self._max_idle, max(TICK_SECONDS, (next_due - now_ms) / 1000))

@@ -47,6 +47,7 @@ from .tables import (
     ENTRY_UPDATE_COLUMNS,
     KEY_CHUNK,
     KEY_COLUMNS,
+    RANGE_KEY_COLUMNS,
     RANGE_UPDATE_COLUMNS,
     ROW_KEY,
     chunks,
@@ -129,7 +130,7 @@ class DueClaims(PartitionOwnership):
         range_rows = (
             select(*(r[name] for name in RANGE_COLUMN_NAMES))
             .where(r.markers_partition.in_(owned), r.due_at_ms > after_ms, r.due_at_ms <= until_ms)
-            .order_by(r.due_at_ms)
+            .order_by(r.due_at_ms, *RANGE_KEY_COLUMNS)
             .limit(limit)
         )
         async with self.transaction(read_only=True) as conn:
@@ -137,8 +138,8 @@ class DueClaims(PartitionOwnership):
                 (int(due), MessageId(topic, partition, offset))
                 for due, topic, partition, offset in await conn.execute(entry_rows)
             ]
-            for row in await conn.execute(range_rows):
-                found += range_copies(TrackedRange.from_row(row), limit)
+            due_ranges = [TrackedRange.from_row(row) for row in await conn.execute(range_rows)]
+        found += range_copies(due_ranges, limit)
         found.sort()
         return found[:limit]
 

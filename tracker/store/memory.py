@@ -244,12 +244,15 @@ class InMemoryStore:
             and after_ms < e.due_at_ms <= until_ms
             and not (e.keep_payload and key in db.payloads)
         ]
-        for by_key in db.ranges.values():
-            for tracked_range in by_key.values():
-                if tracked_range.markers_partition in owned and (
-                    after_ms < tracked_range.due_at_ms <= until_ms
-                ):
-                    found += range_copies(tracked_range, limit)
+        due_ranges = [
+            tracked_range
+            for by_key in db.ranges.values()
+            for tracked_range in by_key.values()
+            if tracked_range.markers_partition in owned
+            and after_ms < tracked_range.due_at_ms <= until_ms
+        ]
+        due_ranges.sort(key=lambda t: (t.due_at_ms, t.key))
+        found += range_copies(due_ranges, limit)
         found.sort()
         return found[: max(0, limit)]
 
