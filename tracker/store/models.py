@@ -102,6 +102,13 @@ class TrackedMessage(Base):
             "origin_partition",
             "origin_offset",
         ),
+        # The payload keeper: the entries whose payload is still to be copied (0012; few).
+        Index(
+            "ix_tracked_payload_wanted",
+            "markers_partition",
+            sqlite_where=text("keep_payload IS 1 AND payload_stored IS 0"),
+            postgresql_where=text("keep_payload IS true AND payload_stored IS false"),
+        ),
     )
 
 
