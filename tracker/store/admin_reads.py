@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey
 
+from .database import ReadWork
 from .manager import Store
 from .models import EntryAction, RedriveItem, RedriveJob
 from .tables import ENTRY_COLUMN_NAMES, KEY_COLUMNS, dead_letters, entry_from_values, tracked
@@ -111,6 +112,11 @@ class AdminQueries:
     ) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
         """The store's transaction; unique-key races (idempotency keys) reach the callers."""
         return self.store.transaction(read_only=read_only, passthrough=(IntegrityError,))
+
+    async def _read(self, work: ReadWork[T]) -> T:
+        """``work`` in one transaction that only reads (:meth:`SqlDatabase.read
+        <tracker.store.database.SqlDatabase.read>`: on SQLite, on a read thread at once)."""
+        return await self.store.read(work)
 
     async def _once(
         self,

@@ -3,26 +3,39 @@ driver errors translated into the store's own.
 
 :class:`SqlDatabase` is the base of every part of the SQL store (``tracker.store.manager``):
 ownership, applying markers, claiming due entries; the admin side's queries borrow a store's.
-They all go through :meth:`SqlDatabase.transaction`, so a driver error never leaks: it becomes
-:class:`StoreUnavailable` (retry later); our own errors (:class:`Fenced`, ...) pass through.
+They all go through :meth:`SqlDatabase.transaction` or, for a unit of work that only reads,
+:meth:`SqlDatabase.read`, so a driver error never leaks: it becomes :class:`StoreUnavailable`
+(retry later); our own errors (:class:`Fenced`, ...) pass through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Self
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Self, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import Connection, Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tracker.errors import KmqError
 
-from .dialects import create_engine, is_sqlite, read_engine
+from .dialects import (
+    SQLITE_READ_THREADS,
+    create_engine,
+    is_sqlite,
+    read_engine,
+    sqlite_read_engine,
+)
 from .store_errors import StoreUnavailable
 from .tables import KEY_CHUNK
+
+T = TypeVar("T")
+
+#: What :meth:`SqlDatabase.read` runs: synchronous SQLAlchemy Core on one connection.
+ReadWork = Callable[[Connection], T]
 
 
 class SqlDatabase:
@@ -38,6 +51,9 @@ class SqlDatabase:
         #: record waited 150 ms for a 25 ms claim). Other processes still wait on the busy
         #: timeout.
         self._writer: asyncio.Lock | None = asyncio.Lock() if is_sqlite(engine) else None
+        #: SQLite file: :meth:`read`'s engine and threads, made at the first read
+        self._sync_reads: tuple[Engine, ThreadPoolExecutor] | None = None
+        self._sync_reads_possible = is_sqlite(engine)
 
     @classmethod
     def from_url(cls, url: str, *, echo: bool = False) -> Self:
@@ -53,6 +69,11 @@ class SqlDatabase:
         return KEY_CHUNK if self.is_sqlite else 10 * KEY_CHUNK
 
     async def close(self) -> None:
+        if self._sync_reads is not None:
+            reads, threads = self._sync_reads
+            self._sync_reads = None
+            await asyncio.to_thread(threads.shutdown)
+            reads.dispose()
         await self.engine.dispose()
 
     @contextlib.asynccontextmanager
@@ -80,6 +101,43 @@ class SqlDatabase:
             raise
         except (SQLAlchemyError, OSError, ConnectionError) as exc:
             raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
+
+    async def read(self, work: ReadWork[T]) -> T:
+        """``work(connection)`` in one transaction that only reads; what it returns.
+
+        ``work`` is synchronous SQLAlchemy Core, so that a whole unit of work (a listing's two
+        queries and the rows it builds) runs at once: on a SQLite file, on a read thread with
+        a connection of its own (:func:`~tracker.store.dialects.sqlite_read_engine`: one
+        hand-off instead of one per driver call, and the event loop stays free while SQLite
+        works); elsewhere, on the async engine's connection (PostgreSQL's driver is async
+        itself). Driver errors become :class:`StoreUnavailable`, as in :meth:`transaction`.
+        """
+        sync_reads = self._sqlite_reads()
+        if sync_reads is None:
+            async with self.transaction(read_only=True) as conn:
+                return await conn.run_sync(work)
+        reads, threads = sync_reads
+
+        def in_thread() -> T:
+            with reads.begin() as connection:
+                return work(connection)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(threads, in_thread)
+        except KmqError:
+            raise
+        except (SQLAlchemyError, OSError, ConnectionError) as exc:
+            raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
+
+    def _sqlite_reads(self) -> tuple[Engine, ThreadPoolExecutor] | None:
+        if self._sync_reads is None and self._sync_reads_possible:
+            reads = sqlite_read_engine(self.engine)
+            if reads is None:
+                self._sync_reads_possible = False
+                return None
+            threads = ThreadPoolExecutor(SQLITE_READ_THREADS, thread_name_prefix="kmq-sqlite-read")
+            self._sync_reads = (reads, threads)
+        return self._sync_reads
 
     async def ping(self) -> None:
         """Raise :class:`StoreUnavailable` unless the database answers."""

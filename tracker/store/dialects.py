@@ -4,6 +4,9 @@
   write transactions with ``BEGIN IMMEDIATE`` so that two writers queue instead of failing on a
   lock upgrade. PostgreSQL uses a pre-pinged pool.
 * Upserts: ``INSERT ... ON CONFLICT DO UPDATE`` through each dialect's own construct.
+* Reads that only read (:meth:`tracker.store.database.SqlDatabase.read`): on a SQLite file, a
+  synchronous engine of their own (:func:`sqlite_read_engine`) whose whole unit of work runs on
+  one worker thread; elsewhere the async engine's connection, driven synchronously.
 * Hot-path reads and claims go to the driver itself (:func:`driver_rows`,
   :func:`claim_rows_sql`): SQLite marks claimed rows by ``rowid``, PostgreSQL by key arrays.
 """
@@ -32,10 +35,11 @@ from sqlalchemy import (
     select,
     tuple_,
 )
+from sqlalchemy import create_engine as create_sync_engine
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Dialect, make_url
+from sqlalchemy.engine import Dialect, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Insert, Update
@@ -94,6 +98,53 @@ def read_engine(engine: AsyncEngine) -> AsyncEngine:
     if not is_sqlite(engine):
         return engine
     return engine.execution_options(**{READ_ONLY_OPTION: True})
+
+
+#: Threads that run :func:`sqlite_read_engine`'s reads: a few requests read at once (SQLite
+#: readers in WAL mode never block each other, and the driver lets go of the GIL while a
+#: statement runs).
+SQLITE_READ_THREADS = 4
+
+
+def sqlite_read_engine(engine: AsyncEngine) -> Engine | None:
+    """A synchronous engine on ``engine``'s SQLite file, for reads only; ``None`` where there
+    is none to have (PostgreSQL, an in-memory database that only ``engine`` can see).
+
+    Why: the async driver (aiosqlite) runs each connection on a thread of its own and hands
+    every call over to it and back through the event loop: ``BEGIN``, each statement's cursor,
+    execute, fetch and close, the end of the transaction. A listing of the admin API made a
+    dozen such hand-offs, and under load they, not SQLite, were most of a request's CPU. A
+    read through this engine runs its whole unit of work on one worker thread: one hand-off.
+    Its connections are ``query_only`` (a write through them fails at once) and read in a
+    plain deferred ``BEGIN``, which in WAL mode sees the last commit and never waits for the
+    writer.
+    """
+    if not is_sqlite(engine):
+        return None
+    url = engine.url
+    if url.database in (None, "", ":memory:") or url.query.get("mode") == "memory":
+        return None
+    reads = create_sync_engine(
+        url.set(drivername="sqlite"),
+        hide_parameters=True,
+        connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
+        pool_size=SQLITE_READ_THREADS,
+        max_overflow=0,
+    )
+
+    @event.listens_for(reads, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA query_only=ON")
+        cursor.close()
+
+    @event.listens_for(reads, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN")
+
+    return reads
 
 
 async def settle_failed_sqlite(engine: AsyncEngine) -> None:

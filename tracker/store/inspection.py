@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
+    Connection,
     Select,
     select,
     tuple_,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import EntryKey, State
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
@@ -154,6 +154,74 @@ def _first_range_views(
     return views
 
 
+def _range_queries(
+    flt: EntryFilter, order: EntryOrder, after: Sequence[Any] | None, limit: int
+) -> list[Select[Any]]:
+    """The reads of the tracked ranges that hold the first ``limit`` entries (in ``order``,
+    after ``after``) of a listing (``tracker/domain/ranges.py``: each open offset of a range
+    is an in-flight entry); none where the filter leaves ranges out.
+
+    Ranges are read in (lane, first offset) order, or (due, lane, first offset): the
+    first ``limit`` of them hold the first ``limit`` entries, because every range holds
+    its first offset. Only where ``after`` falls inside a lane are the ranges that
+    straddle it (first offset before it, last after it) read as well.
+    """
+    if flt.states and State.IN_FLIGHT not in flt.states:
+        return []
+    if flt.min_attempt is not None and flt.min_attempt > 1:
+        return []
+    r = ranges_table.c
+    base = select(*(r[name] for name in RANGE_COLUMN_NAMES))
+    if flt.topic is not None:
+        base = base.where(r.origin_topic == flt.topic)
+    if flt.partition is not None:
+        base = base.where(r.origin_partition == flt.partition)
+    if flt.group is not None:
+        base = base.where(r.group_id == flt.group)
+    if flt.due_before_ms is not None:
+        base = base.where(r.due_at_ms < flt.due_before_ms)
+    if flt.due_after_ms is not None:
+        base = base.where(r.due_at_ms >= flt.due_after_ms)
+    if flt.seen_before_ms is not None:
+        base = base.where(r.first_seen_ms < flt.seen_before_ms)
+    lane = (r.group_id, r.origin_topic, r.origin_partition)
+    queries: list[Select[Any]] = []
+    by: tuple[Any, ...]
+    if order is EntryOrder.KEY:
+        by = (*lane, r.first_offset)
+        if after is None:
+            queries.append(base.order_by(*by).limit(limit))
+        else:
+            here = [c == v for c, v in zip(lane, after[:3], strict=True)]
+            o = after[3]
+            queries += [
+                base.where(
+                    *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
+                ),
+                base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
+                base.where(tuple_(*lane) > typed_row(lane, after[:3])).order_by(*by).limit(limit),
+            ]
+    else:
+        by = (r.due_at_ms, *lane, r.first_offset)
+        if after is None:
+            queries.append(base.order_by(*by).limit(limit))
+        else:
+            due, o = after[0], after[4]
+            here = [
+                r.due_at_ms == due,
+                *(c == v for c, v in zip(lane, after[1:4], strict=True)),
+            ]
+            later = (r.due_at_ms, *lane)
+            queries += [
+                base.where(
+                    *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
+                ),
+                base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
+                base.where(tuple_(*later) > typed_row(later, after[:4])).order_by(*by).limit(limit),
+            ]
+    return queries
+
+
 class InspectionQueries(TopicStatistics):
     """What operators look at: listings, one message's record, statistics, dead letters."""
 
@@ -177,95 +245,23 @@ class InspectionQueries(TopicStatistics):
             query = query.where(tracked.c.due_at_ms.is_not(None))
         if after is not None:
             query = query.where(_after(sort, after, flt))
-        query = query.order_by(*sort)
-        async with self._transaction(read_only=True) as conn:
-            rows = await conn.execute(query.limit(limit))
-            views = [entry_view(row) for row in rows]
-            in_ranges = await self._range_views(conn, flt, order, after, limit)
-        if not in_ranges:
-            return views
-        sort_key = _sort_key(order)
-        return sorted([*views, *in_ranges], key=sort_key)[:limit]
+        query = query.order_by(*sort).limit(limit)
+        in_ranges = _range_queries(flt, order, after, limit)
 
-    async def _range_views(
-        self,
-        conn: AsyncConnection,
-        flt: EntryFilter,
-        order: EntryOrder,
-        after: Sequence[Any] | None,
-        limit: int,
-    ) -> list[EntryView]:
-        """The first ``limit`` entries (in ``order``, after ``after``) that tracked ranges
-        stand for (``tracker/domain/ranges.py``): each open offset is an in-flight entry.
+        def page(conn: Connection) -> list[EntryView]:
+            views = [entry_view(row) for row in conn.execute(query)]
+            found: dict[tuple[Any, ...], TrackedRange] = {}
+            for range_query in in_ranges:
+                for row in conn.execute(range_query):
+                    tracked_range = TrackedRange.from_row(row)
+                    found[tracked_range.key] = tracked_range
+            if not found:
+                return views
+            sort_key = _sort_key(order)
+            views += _first_range_views(found.values(), sort_key, after, limit)
+            return sorted(views, key=sort_key)[:limit]
 
-        Ranges are read in (lane, first offset) order, or (due, lane, first offset): the
-        first ``limit`` of them hold the first ``limit`` entries, because every range holds
-        its first offset. Only where ``after`` falls inside a lane are the ranges that
-        straddle it (first offset before it, last after it) read as well.
-        """
-        if flt.states and State.IN_FLIGHT not in flt.states:
-            return []
-        if flt.min_attempt is not None and flt.min_attempt > 1:
-            return []
-        r = ranges_table.c
-        base = select(*(r[name] for name in RANGE_COLUMN_NAMES))
-        if flt.topic is not None:
-            base = base.where(r.origin_topic == flt.topic)
-        if flt.partition is not None:
-            base = base.where(r.origin_partition == flt.partition)
-        if flt.group is not None:
-            base = base.where(r.group_id == flt.group)
-        if flt.due_before_ms is not None:
-            base = base.where(r.due_at_ms < flt.due_before_ms)
-        if flt.due_after_ms is not None:
-            base = base.where(r.due_at_ms >= flt.due_after_ms)
-        if flt.seen_before_ms is not None:
-            base = base.where(r.first_seen_ms < flt.seen_before_ms)
-        lane = (r.group_id, r.origin_topic, r.origin_partition)
-        queries: list[Select[Any]] = []
-        by: tuple[Any, ...]
-        if order is EntryOrder.KEY:
-            by = (*lane, r.first_offset)
-            if after is None:
-                queries.append(base.order_by(*by).limit(limit))
-            else:
-                here = [c == v for c, v in zip(lane, after[:3], strict=True)]
-                o = after[3]
-                queries += [
-                    base.where(
-                        *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
-                    ),
-                    base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
-                    base.where(tuple_(*lane) > typed_row(lane, after[:3]))
-                    .order_by(*by)
-                    .limit(limit),
-                ]
-        else:
-            by = (r.due_at_ms, *lane, r.first_offset)
-            if after is None:
-                queries.append(base.order_by(*by).limit(limit))
-            else:
-                due, o = after[0], after[4]
-                here = [
-                    r.due_at_ms == due,
-                    *(c == v for c, v in zip(lane, after[1:4], strict=True)),
-                ]
-                later = (r.due_at_ms, *lane)
-                queries += [
-                    base.where(
-                        *here, r.first_offset.between(o - MAX_RANGE_WIDTH, o), r.last_offset > o
-                    ),
-                    base.where(*here, r.first_offset > o).order_by(r.first_offset).limit(limit),
-                    base.where(tuple_(*later) > typed_row(later, after[:4]))
-                    .order_by(*by)
-                    .limit(limit),
-                ]
-        found: dict[tuple[Any, ...], TrackedRange] = {}
-        for query in queries:
-            for row in await conn.execute(query):
-                tracked_range = TrackedRange.from_row(row)
-                found[tracked_range.key] = tracked_range
-        return _first_range_views(found.values(), _sort_key(order), after, limit)
+        return await self._read(page)
 
     async def get_entry(self, key: EntryKey) -> EntryView | None:
         async with self._transaction(read_only=True) as conn:

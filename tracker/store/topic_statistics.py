@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Connection, func, select
 
 from tracker.domain.entries import State
 
@@ -150,16 +150,17 @@ class TopicStatistics(AdminQueries):
         if topic is not None:
             entries = entries.where(c.origin_topic == topic)
             dead = dead.where(dc.origin_topic == topic)
-        out: dict[str, TopicCounts] = {}
-        async with self._transaction(read_only=True) as conn:
-            for name, group, state, count in await conn.execute(entries):
+
+        def counted(conn: Connection) -> dict[str, TopicCounts]:
+            out: dict[str, TopicCounts] = {}
+            for name, group, state, count in conn.execute(entries):
                 attribute = _COUNTED.get(state)
                 if not count or attribute is None:
                     continue
                 counts = out.setdefault(name, TopicCounts(name))
                 setattr(counts.group(group), attribute, int(count))
                 setattr(counts, attribute, getattr(counts, attribute) + int(count))
-            for name, group, total, waiting in await conn.execute(dead):
+            for name, group, total, waiting in conn.execute(dead):
                 if total:
                     counts = out.setdefault(name, TopicCounts(name))
                     by_group = counts.group(group)
@@ -169,7 +170,7 @@ class TopicStatistics(AdminQueries):
             probes = [probe for counts in out.values() for probe in _probes(counts, since_ms)]
             for chunk in chunks(probes, _PROBES_PER_QUERY):
                 queries = (query.scalar_subquery() for _, _, query in chunk)
-                found = (await conn.execute(select(*queries))).one()
+                found = conn.execute(select(*queries)).one()
                 for (counts, attribute, _), value in zip(chunk, found, strict=True):
                     if value is None:
                         continue
@@ -178,4 +179,6 @@ class TopicStatistics(AdminQueries):
                         setattr(counts, attribute, min(current, value))
                     else:
                         setattr(counts, attribute, value)
-        return out
+            return out
+
+        return await self._read(counted)
