@@ -10,6 +10,7 @@ All times are explicit milliseconds; nothing here reads the wall clock.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +37,7 @@ from support.store_steps import (
 
 from tracker.domain.actions import ActionKind, ActionRequest
 from tracker.protocol import Marker
+from tracker.store import StoreUnavailable
 from tracker.store.admin_reads import DeadLetterFilter
 from tracker.store.dialects import keys_in
 from tracker.store.inspection import EntryFilter, InspectionQueries
@@ -128,6 +130,50 @@ async def test_sqlite_key_lookups_search_the_primary_key(tmp_path: Path) -> None
                 [tracked.c.origin_partition, tracked.c.origin_offset],
                 [(i, 0) for i in range(501)],
             )
+    finally:
+        await store.close()
+
+
+async def test_reads_of_a_sqlite_file_that_is_not_a_database_fail_cleanly_then_recover(
+    tmp_path: Path,
+) -> None:
+    """Admin reads on SQLite run on an engine of their own (``SqlDatabase.read``): a file
+    that is no database gives the store's own error, not a driver's, and once the file is a
+    database again the same store reads it."""
+    path = tmp_path / "kmq.sqlite3"
+    path.write_bytes(b"this is not a database" * 400)
+    store = Store.from_url(sqlite_url(path))
+    queries = InspectionQueries(store, MARKERS)
+    try:
+        with pytest.raises(StoreUnavailable, match="database error"):
+            await queries.list_entries(EntryFilter())
+        with pytest.raises(StoreUnavailable, match="database error"):
+            await queries.topic_counts(since_ms=T0)
+        path.unlink()
+        healthy = Store.from_url(sqlite_url(path))
+        try:
+            await upgrade(healthy.engine)
+            epochs = await claim(healthy)
+            await start(healthy, epochs, 7)
+        finally:
+            await healthy.close()
+        assert [v.entry.key for v in await queries.list_entries(EntryFilter())] == [key(7)]
+        assert (await queries.topic_counts(since_ms=T0))[TOPIC].in_flight == 1
+    finally:
+        await store.close()
+
+
+async def test_reads_of_a_postgres_server_that_does_not_answer_fail_cleanly() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = Store.from_url(f"postgresql+asyncpg://postgres@127.0.0.1:{port}/test")
+    queries = InspectionQueries(store, MARKERS)
+    try:
+        with pytest.raises(StoreUnavailable, match="database error"):
+            await queries.list_entries(EntryFilter())
+        with pytest.raises(StoreUnavailable, match="database error"):
+            await queries.topic_counts(since_ms=T0)
     finally:
         await store.close()
 

@@ -119,8 +119,15 @@ class SqlDatabase:
         reads, threads = sync_reads
 
         def in_thread() -> T:
-            with reads.begin() as connection:
-                return work(connection)
+            with reads.connect() as connection:
+                try:
+                    with connection.begin():
+                        return work(connection)
+                except SQLAlchemyError:
+                    # A read keeps nothing worth a connection the driver failed on (a file
+                    # that was replaced, a disk error): the next read opens a new one.
+                    connection.invalidate()
+                    raise
 
         try:
             return await asyncio.get_running_loop().run_in_executor(threads, in_thread)
