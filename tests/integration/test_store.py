@@ -134,6 +134,14 @@ async def test_sqlite_key_lookups_search_the_primary_key(tmp_path: Path) -> None
         await store.close()
 
 
+async def _reads_are_unavailable(queries: InspectionQueries) -> None:
+    """A listing and the topic statistics both fail with the store's own error."""
+    with pytest.raises(StoreUnavailable, match="database error"):
+        await queries.list_entries(EntryFilter())
+    with pytest.raises(StoreUnavailable, match="database error"):
+        await queries.topic_counts(since_ms=T0)
+
+
 async def test_reads_of_a_sqlite_file_that_is_not_a_database_fail_cleanly_then_recover(
     tmp_path: Path,
 ) -> None:
@@ -145,10 +153,7 @@ async def test_reads_of_a_sqlite_file_that_is_not_a_database_fail_cleanly_then_r
     store = Store.from_url(sqlite_url(path))
     queries = InspectionQueries(store, MARKERS)
     try:
-        with pytest.raises(StoreUnavailable, match="database error"):
-            await queries.list_entries(EntryFilter())
-        with pytest.raises(StoreUnavailable, match="database error"):
-            await queries.topic_counts(since_ms=T0)
+        await _reads_are_unavailable(queries)
         path.unlink()
         healthy = Store.from_url(sqlite_url(path))
         try:
@@ -170,10 +175,7 @@ async def test_reads_of_a_postgres_server_that_does_not_answer_fail_cleanly() ->
     store = Store.from_url(f"postgresql+asyncpg://postgres@127.0.0.1:{port}/test")
     queries = InspectionQueries(store, MARKERS)
     try:
-        with pytest.raises(StoreUnavailable, match="database error"):
-            await queries.list_entries(EntryFilter())
-        with pytest.raises(StoreUnavailable, match="database error"):
-            await queries.topic_counts(since_ms=T0)
+        await _reads_are_unavailable(queries)
     finally:
         await store.close()
 
