@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self, TypeVar
 
@@ -51,9 +51,12 @@ class SqlDatabase:
         #: record waited 150 ms for a 25 ms claim). Other processes still wait on the busy
         #: timeout.
         self._writer: asyncio.Lock | None = asyncio.Lock() if is_sqlite(engine) else None
-        #: SQLite file: :meth:`read`'s engine and threads, made at the first read
+        #: SQLite file: :meth:`read`'s engine and threads (both connect and start lazily)
         self._sync_reads: tuple[Engine, ThreadPoolExecutor] | None = None
-        self._sync_reads_possible = is_sqlite(engine)
+        sync_read_engine = sqlite_read_engine(engine)
+        if sync_read_engine is not None:
+            threads = ThreadPoolExecutor(SQLITE_READ_THREADS, thread_name_prefix="kmq-sqlite-read")
+            self._sync_reads = (sync_read_engine, threads)
 
     @classmethod
     def from_url(cls, url: str, *, echo: bool = False) -> Self:
@@ -92,15 +95,9 @@ class SqlDatabase:
         """
         engine = self.read_engine if read_only else self.engine
         writer = None if read_only else self._writer
-        try:
+        with _driver_errors_translated(passthrough):
             async with writer or contextlib.nullcontext(), engine.begin() as connection:
                 yield connection
-        except KmqError:
-            raise
-        except passthrough:
-            raise
-        except (SQLAlchemyError, OSError, ConnectionError) as exc:
-            raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
 
     async def read(self, work: ReadWork[T]) -> T:
         """``work(connection)`` in one transaction that only reads; what it returns.
@@ -112,11 +109,10 @@ class SqlDatabase:
         works); elsewhere, on the async engine's connection (PostgreSQL's driver is async
         itself). Driver errors become :class:`StoreUnavailable`, as in :meth:`transaction`.
         """
-        sync_reads = self._sqlite_reads()
-        if sync_reads is None:
+        if self._sync_reads is None:
             async with self.transaction(read_only=True) as conn:
                 return await conn.run_sync(work)
-        reads, threads = sync_reads
+        reads, threads = self._sync_reads
 
         def in_thread() -> T:
             with reads.connect() as connection:
@@ -129,24 +125,26 @@ class SqlDatabase:
                     connection.invalidate()
                     raise
 
-        try:
+        with _driver_errors_translated():
             return await asyncio.get_running_loop().run_in_executor(threads, in_thread)
-        except KmqError:
-            raise
-        except (SQLAlchemyError, OSError, ConnectionError) as exc:
-            raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
-
-    def _sqlite_reads(self) -> tuple[Engine, ThreadPoolExecutor] | None:
-        if self._sync_reads is None and self._sync_reads_possible:
-            reads = sqlite_read_engine(self.engine)
-            if reads is None:
-                self._sync_reads_possible = False
-                return None
-            threads = ThreadPoolExecutor(SQLITE_READ_THREADS, thread_name_prefix="kmq-sqlite-read")
-            self._sync_reads = (reads, threads)
-        return self._sync_reads
 
     async def ping(self) -> None:
         """Raise :class:`StoreUnavailable` unless the database answers."""
         async with self.transaction() as conn:
             await conn.execute(select(1))
+
+
+@contextlib.contextmanager
+def _driver_errors_translated(
+    passthrough: tuple[type[BaseException], ...] = (),
+) -> Iterator[None]:
+    """Driver errors raised inside become :class:`StoreUnavailable`; our own errors and
+    those named in ``passthrough`` go through as they are."""
+    try:
+        yield
+    except KmqError:
+        raise
+    except passthrough:
+        raise
+    except (SQLAlchemyError, OSError, ConnectionError) as exc:
+        raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc

@@ -61,9 +61,8 @@ class Store(MarkerApply, DueClaims):
         owned = sorted(set(partitions))
         if not owned:
             return []
-        async with self.transaction(read_only=True) as conn:
-            rows = await conn.execute(payload_wanted(owned, limit))
-            return [entry_from_values(row) for row in rows]
+        query = payload_wanted(owned, limit)
+        return await self.read(lambda conn: [entry_from_values(row) for row in conn.execute(query)])
 
     async def store_payloads(self, payloads: Sequence[tuple[EntryKey, StoredPayload]]) -> None:
         async with self.transaction() as conn:
