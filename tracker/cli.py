@@ -16,6 +16,7 @@ from pydantic_settings import SettingsError
 
 from tracker import __version__
 from tracker.errors import KmqError, MarkerError
+from tracker.gc_policy import apply_gc_policy
 from tracker.protocol import decode_marker
 from tracker.settings import CONFIG_FILE_ENV, TrackerSettings
 from tracker.settings_loading import ConfigFileError, load_settings, unknown_environment
@@ -77,6 +78,7 @@ async def _run(settings: TrackerSettings) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     """Run the tracker (ingest, redelivery, redrive jobs, HTTP API) until SIGTERM/SIGINT."""
     settings = _settings(args)
+    apply_gc_policy(settings.gc_gen0_threshold)
     asyncio.run(_run(settings))
     return 0
 
@@ -111,6 +113,7 @@ def _cmd_api(args: argparse.Namespace) -> int:
     from tracker.runtime import serve_standalone  # noqa: PLC0415
 
     settings = _settings(args)
+    apply_gc_policy(settings.gc_gen0_threshold)
 
     async def serve() -> None:
         stopping = asyncio.Event()

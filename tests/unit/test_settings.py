@@ -72,6 +72,7 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
         ({"default_policy": {"processing_timeout": 0}}, "processing_timeout must be positive"),
         ({"topics": {"bad/name": {}}}, "not a legal Kafka topic name"),
         ({"coalesce_window": -1}, "must not be negative"),
+        ({"gc_gen0_threshold": -1}, "greater than or equal to 0"),
         ({"no_such_setting": 1}, "Extra inputs are not permitted"),
         ({"default_policy": {"backoff": {"initial": 10, "max": 1}}}, "0 < initial <= max"),
     ],
