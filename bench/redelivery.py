@@ -33,6 +33,7 @@ from tracker.engine.process import Tracker
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker
 from tracker.runtime import create_tracker
+from tracker.settings import TrackerSettings
 
 from . import markers as mk
 from .common import (
@@ -71,7 +72,12 @@ def _tracker(infra: Infra, url: str, markers: str, retry: str) -> Tracker:
 
 async def raw_produce_rate(bootstrap: str, topic: str, count: int) -> float:
     """The tracker's producer settings, records like its copies, sent as fast as possible."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=2)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        linger_ms=2,
+        max_batch_size=TrackerSettings.model_fields["kafka_producer_batch_bytes"].default,
+    )
     await producer.start()
     try:
         value = b"q" * SIZE

@@ -90,9 +90,13 @@ def engine_connections(settings: TrackerSettings) -> EngineConnections:
 
 def _producer(settings: TrackerSettings, config: dict[str, Any]) -> AIOKafkaProducer:
     """The producer of copies, dead letters and markers: ``acks=all``, as the KMQ invariant
-    needs, with a short linger so that a round's copies go out in few requests."""
+    needs, with a short linger and large batches so that a round's copies (or a poll's
+    refused markers) go out in few requests."""
     return AIOKafkaProducer(
-        bootstrap_servers=settings.kafka_bootstrap_servers, acks="all", linger_ms=2, **config
+        bootstrap_servers=settings.kafka_bootstrap_servers,
+        acks="all",
+        linger_ms=2,
+        **{"max_batch_size": settings.kafka_producer_batch_bytes, **config},
     )
 
 

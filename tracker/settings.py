@@ -72,6 +72,17 @@ class TrackerSettings(BaseSettings):
             "once a fetch response shows it has read every marker written before it."
         ),
     )
+    kafka_producer_batch_bytes: int = Field(
+        256 * 1024,
+        ge=1024,
+        le=64 * 1024 * 1024,
+        description=(
+            "Largest record batch the tracker's producer builds (copies, dead letters, parked "
+            "markers). A producer sends one batch per partition per request and waits for it, "
+            "so a burst to few partitions moves one batch per round trip; keep it below the "
+            "topics' max.message.bytes (1 MiB by default)."
+        ),
+    )
     markers_topic: str = Field("kmq-markers", description="The markers topic consumers write.")
     markers_partitions: int = Field(
         12,

@@ -127,14 +127,17 @@ class FakeBroker:
     """An aiokafka producer on a broker that refuses batches holding a value over
     ``max_value`` bytes (MESSAGE_TOO_LARGE), or fails every batch with ``fail``."""
 
-    def __init__(self, *, max_value: int = 1000, fail: type[KafkaError] | None = None) -> None:
+    def __init__(
+        self, *, max_value: int = 1000, fail: type[KafkaError] | None = None, partitions: int = 1
+    ) -> None:
         self.max_value = max_value
         self.fail = fail
+        self.partitions = partitions
         self.accepted: list[dict[str, Any]] = []
         self.batches = 0
 
     async def partitions_for(self, topic: str) -> set[int]:
-        return {0}
+        return set(range(self.partitions))
 
     def create_batch(self) -> FakeBatch:
         return FakeBatch(16_384)
@@ -147,7 +150,7 @@ class FakeBroker:
         elif any(len(r["value"] or b"") > self.max_value for r in batch.records):
             future.set_exception(MessageSizeTooLargeError())
         else:
-            self.accepted.extend(batch.records)
+            self.accepted.extend({**record, "partition": partition} for record in batch.records)
             future.set_result(None)
         return future
 
@@ -193,6 +196,31 @@ async def test_the_copy_is_stamped_when_parked_and_the_original_stamp_is_a_heade
         assert dict(record["headers"])[INVALID_TIMESTAMP] == str(FAR_AHEAD + offset).encode()
         assert record["value"] == b"\x7f" * (10, 20)[offset]
     assert broker.batches == 1
+
+
+async def test_a_markers_partitions_refused_records_land_on_one_invalid_partition_in_order() -> (
+    None
+):
+    """Markers partition p parks on invalid partition p mod n, in the order read; the records
+    of a poll that spans partitions go out as one batch per partition, all at once."""
+    broker = FakeBroker(partitions=3)
+    rejected = [
+        Rejected(Consumed(source, offset, None, b"\x7f", 0), "bad", "malformed")
+        for offset in range(4)
+        for source in range(5)
+    ]
+    await InvalidMarkerParker(broker, "m.invalid", "m").park(rejected)
+    landed: dict[int, list[str]] = {}
+    for record in broker.accepted:
+        landed.setdefault(record["partition"], []).append(
+            dict(record["headers"])[INVALID_SOURCE].decode()
+        )
+    assert landed == {
+        0: [f"m/{s}/{o}" for o in range(4) for s in (0, 3)],
+        1: [f"m/{s}/{o}" for o in range(4) for s in (1, 4)],
+        2: [f"m/2/{o}" for o in range(4)],
+    }
+    assert broker.batches == 3
 
 
 async def test_a_record_the_broker_refuses_for_its_content_does_not_stall_parking() -> None:

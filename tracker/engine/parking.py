@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +158,6 @@ class InvalidMarkerParker:
         self._topic = invalid_topic
         self._markers_topic = markers_topic
         self._log_budget = _LogBudget(LOG_EACH_PER_WINDOW, LOG_WINDOW_S, clock)
-        self._next_partition = 0
 
     def _log(self, rejected: Sequence[Rejected]) -> None:
         unlogged: Counter[str] = Counter()
@@ -184,11 +183,33 @@ class InvalidMarkerParker:
                 self._topic,
             )
 
-    async def _partition(self) -> int:
-        """Spread parked batches over the invalid topic's partitions, one batch at a time."""
-        partitions = sorted(await self._producer.partitions_for(self._topic))
-        self._next_partition += 1
-        return int(partitions[self._next_partition % len(partitions)])
+    async def _partitions(self) -> list[int]:
+        return sorted(await self._producer.partitions_for(self._topic))
+
+    @staticmethod
+    def _by_source(
+        parked: Sequence[_Parked], sources: Sequence[int], partitions: Sequence[int]
+    ) -> dict[int, list[_Parked]]:
+        """Parked records by the invalid topic's partition of their markers partition.
+
+        A markers partition's refused records always land on the same invalid partition, in
+        the order they were read; and a poll's records from several markers partitions go
+        out in one request per broker, one batch per partition (a producer sends one batch
+        per partition per request and waits for it: records all bound for one partition
+        went out one batch per round trip).
+        """
+        out: dict[int, list[_Parked]] = defaultdict(list)
+        n = len(partitions)
+        for one, source in zip(parked, sources, strict=True):
+            out[partitions[source % n]].append(one)
+        return out
+
+    async def _send_all(self, groups: dict[int, list[_Parked]]) -> dict[_Parked, KafkaError]:
+        """:meth:`_send_batches` for every partition's records at once."""
+        sent = await asyncio.gather(
+            *(self._send_batches(ones, partition) for partition, ones in groups.items())
+        )
+        return {one: error for refused in sent for one, error in refused.items()}
 
     def _build(self, rejected: Sequence[Rejected]) -> list[_Parked]:
         """The parked records of one batch of refused markers (headers built per batch)."""
@@ -220,13 +241,16 @@ class InvalidMarkerParker:
         if not rejected:
             return
         self._log(rejected)
-        partition = await self._partition()
         parked = self._build(rejected)
-        refused = await self._send_batches(parked, partition)
+        groups = self._by_source(
+            parked, [item.record.partition for item in rejected], await self._partitions()
+        )
+        partition_of = {one: partition for partition, ones in groups.items() for one in ones}
+        refused = await self._send_all(groups)
         if not refused:
             return
         alone = await asyncio.gather(
-            *(self._send_batches([one], partition) for one in refused),
+            *(self._send_batches([one], partition_of[one]) for one in refused),
         )
         errors = [(one, error) for sent in alone for one, error in sent.items()]
         if not errors:
@@ -240,19 +264,20 @@ class InvalidMarkerParker:
                 error,
                 self._topic,
             )
-        stubs = [
-            _Parked(
-                None,
-                b"",
-                [
-                    *one.headers,
-                    (INVALID_STUB, repr(error).encode("utf-8", "replace")[:512]),
-                    (INVALID_SIZE, str(len(one.value or b"") + len(one.key or b"")).encode()),
-                ],
+        stubs: dict[int, list[_Parked]] = defaultdict(list)
+        for one, error in errors:
+            stubs[partition_of[one]].append(
+                _Parked(
+                    None,
+                    b"",
+                    [
+                        *one.headers,
+                        (INVALID_STUB, repr(error).encode("utf-8", "replace")[:512]),
+                        (INVALID_SIZE, str(len(one.value or b"") + len(one.key or b"")).encode()),
+                    ],
+                )
             )
-            for one, error in errors
-        ]
-        stub_errors = await self._send_batches(stubs, partition)
+        stub_errors = await self._send_all(stubs)
         if stub_errors:
             raise next(iter(stub_errors.values()))
 
@@ -306,7 +331,12 @@ class InvalidMarkerParker:
             for pending, why in anomalies
         ]
         try:
-            refused = await self._send_batches(parked, await self._partition())
+            groups = self._by_source(
+                parked,
+                [pending.markers_partition for pending, _ in anomalies],
+                await self._partitions(),
+            )
+            refused = await self._send_all(groups)
         except KafkaError as exc:
             log.warning("could not park %d marker anomalies: %r", len(anomalies), exc)
             return

@@ -13,7 +13,8 @@ One produce is under way at a time, and what polls refuse meanwhile is parked ne
 go. A produce per poll would not do: polls that no longer wait come often and carry few
 records each, and the producer sends a partition's batches one round trip after the other,
 so parking fell behind reading (measured: the valid-marker rate with 50 % garbage halved).
-Kept in order, the parked copies land on the invalid topic in the order they were read.
+Kept in order, a markers partition's parked copies land on one partition of the invalid
+topic in the order they were read (``InvalidMarkerParker``).
 
 A parking that failed keeps its records, first in line: nothing of what was read is dropped
 or read again, the markers accepted meanwhile wait in memory (ingest's pending bound stops
