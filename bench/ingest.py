@@ -127,6 +127,13 @@ async def raw_read(bootstrap: str, topic: str, total: int, max_records: int) -> 
         await consumer.stop()
 
 
+async def best_read(bootstrap: str, topic: str, total: int, gen0_threshold: int = 0) -> float:
+    """The better of two plain reads of ``topic``, under the collector policy
+    ``gen0_threshold`` (0: Python's setting, as a plain consumer runs)."""
+    with gc_policy(gen0_threshold):
+        return max([await raw_read(bootstrap, topic, total, 5000) for _ in range(2)])
+
+
 async def tracker_ingest(
     infra: Infra,
     database_url: str,
@@ -147,32 +154,21 @@ async def tracker_ingest(
         kinds = ("START", "ACK", "DELAY", "RANGE_START", "RANGE_SETTLE")
         return float(sum(ingested.labels(k)._value.get() for k in kinds))
 
+    async def durable() -> bool:
+        offsets = await tracker.store.partition_offsets(markers_topic)
+        return all(end == 0 or offsets.get(p, (0, -1))[1] >= end for p, end in ends.items())
+
     # The collector policy `kmq-tracker run` sets for its process (tracker.gc_policy).
     with gc_policy(settings.gc_gen0_threshold):
-        return await _measured(tracker, markers_topic, ends, total, count)
-
-
-async def _measured(
-    tracker: Any,
-    markers_topic: str,
-    ends: dict[int, int],
-    total: int,
-    count: Callable[[], float],
-) -> dict[str, float]:
-    await tracker.start()
-    try:
-        t0 = await wait_until(lambda: count() > 0, 60, "first marker", interval=0.002)
-        cpu0 = time.process_time()
-
-        async def durable() -> bool:
-            offsets = await tracker.store.partition_offsets(markers_topic)
-            return all(end == 0 or offsets.get(p, (0, -1))[1] >= end for p, end in ends.items())
-
-        t1 = await wait_until(durable, 300, "all markers applied", interval=0.05)
-        cpu = time.process_time() - cpu0
-        flushes = tracker.metrics.flush_seconds._sum.get()
-    finally:
-        await tracker.close()
+        await tracker.start()
+        try:
+            t0 = await wait_until(lambda: count() > 0, 60, "first marker", interval=0.002)
+            cpu0 = time.process_time()
+            t1 = await wait_until(durable, 300, "all markers applied", interval=0.05)
+            cpu = time.process_time() - cpu0
+            flushes = tracker.metrics.flush_seconds._sum.get()
+        finally:
+            await tracker.close()
     seconds = t1 - t0
     return {
         "rate": total / seconds,
@@ -193,11 +189,11 @@ async def run(
     try:
         await mk.fill_queue(bootstrap, queue, PARTITIONS, messages // PARTITIONS)
         in_queue = messages // PARTITIONS * PARTITIONS
-        queue_read = max([await raw_read(bootstrap, queue, in_queue, 5000) for _ in range(2)])
+        queue_read = await best_read(bootstrap, queue, in_queue)
         result.data["queue_read_rate"] = queue_read
         result.add(Figure("plain aiokafka read rate of the queue topic", queue_read, "msg/s"))
-        with gc_policy(DEFAULT_GEN0_THRESHOLD):  # see the acked read below
-            queue_same = max([await raw_read(bootstrap, queue, in_queue, 5000) for _ in range(2)])
+        # see the acked read below
+        queue_same = await best_read(bootstrap, queue, in_queue, DEFAULT_GEN0_THRESHOLD)
         result.data["queue_read_rate_tracker_gc"] = queue_same
         producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
         await producer.start()
@@ -238,15 +234,14 @@ async def run(
             result.data[name] = entry
             raw = 0.0
             if name in ("acked", "unacked"):
-                raw = max([await raw_read(bootstrap, topic, total, 5000) for _ in range(2)])
+                raw = await best_read(bootstrap, topic, total)
                 entry["raw_read_rate"] = raw
                 result.add(Figure(f"({name}) plain aiokafka read rate", raw, "markers/s"))
             if name == "acked":
                 # The same plain read under the tracker's collector policy: the tracker's
                 # gain from the policy is not its own (a plain reader gains as much), so the
                 # ratio on equal footing is reported beside the one the target is set on.
-                with gc_policy(DEFAULT_GEN0_THRESHOLD):
-                    same = max([await raw_read(bootstrap, topic, total, 5000) for _ in range(2)])
+                same = await best_read(bootstrap, topic, total, DEFAULT_GEN0_THRESHOLD)
                 entry["raw_read_rate_tracker_gc"] = same
                 result.add(
                     Figure(

@@ -183,12 +183,8 @@ class InvalidMarkerParker:
                 self._topic,
             )
 
-    async def _partitions(self) -> list[int]:
-        return sorted(await self._producer.partitions_for(self._topic))
-
-    @staticmethod
-    def _by_source(
-        parked: Sequence[_Parked], sources: Sequence[int], partitions: Sequence[int]
+    async def _by_source(
+        self, parked: Sequence[_Parked], sources: Sequence[int]
     ) -> dict[int, list[_Parked]]:
         """Parked records by the invalid topic's partition of their markers partition.
 
@@ -198,6 +194,7 @@ class InvalidMarkerParker:
         per partition per request and waits for it: records all bound for one partition
         went out one batch per round trip).
         """
+        partitions = sorted(await self._producer.partitions_for(self._topic))
         out: dict[int, list[_Parked]] = defaultdict(list)
         n = len(partitions)
         for one, source in zip(parked, sources, strict=True):
@@ -242,9 +239,7 @@ class InvalidMarkerParker:
             return
         self._log(rejected)
         parked = self._build(rejected)
-        groups = self._by_source(
-            parked, [item.record.partition for item in rejected], await self._partitions()
-        )
+        groups = await self._by_source(parked, [item.record.partition for item in rejected])
         partition_of = {one: partition for partition, ones in groups.items() for one in ones}
         refused = await self._send_all(groups)
         if not refused:
@@ -331,10 +326,8 @@ class InvalidMarkerParker:
             for pending, why in anomalies
         ]
         try:
-            groups = self._by_source(
-                parked,
-                [pending.markers_partition for pending, _ in anomalies],
-                await self._partitions(),
+            groups = await self._by_source(
+                parked, [pending.markers_partition for pending, _ in anomalies]
             )
             refused = await self._send_all(groups)
         except KafkaError as exc:
