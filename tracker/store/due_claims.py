@@ -296,33 +296,48 @@ class DueClaims(PartitionOwnership):
         self,
         conn: AsyncConnection,
         token: str,
-        finished: set[EntryKey],
+        finished: Sequence[EntryKey],
         counts: CountChanges,
-    ) -> None:
+    ) -> dict[tuple[str, str, int], set[int]]:
         """Delete the ranges claimed with ``token``; their offsets the round did not finish
         become entries claimed with it (for the lost and put-back paths that follow).
 
         Offsets settled or split off by markers since the claim are no longer in the ranges
         (a diverged offset took the token into its entry), so nothing here undoes them.
+        Returned: the offsets the deleted ranges held, per (group, topic, partition). An
+        offset a range holds has no entry row (an offset is in a range or in an entry, never
+        both), so the round's finished offsets among them need no delete of their own: a
+        round of range copies costs one statement here, not a keyed delete per copy.
         """
         gone = await conn.execute(
             delete(ranges_table)
             .where(ranges_table.c.claim_token == token)
             .returning(*(ranges_table.c[name] for name in RANGE_COLUMN_NAMES))
         )
+        finished_at: dict[tuple[str, str, int], set[int]] = {}
+        for group, topic, partition, offset in finished:
+            finished_at.setdefault((group, topic, partition), set()).add(offset)
+        held: dict[tuple[str, str, int], set[int]] = {}
         left: list[tuple[object, ...]] = []
         for row in gone:
             tracked_range = TrackedRange.from_row(row)
             lane = (tracked_range.markers_partition, tracked_range.origin_topic)
             count_key = (*lane, tracked_range.group_id, State.IN_FLIGHT.value)
             counts.add(count_key, -tracked_range.open_count)
-            for offset in tracked_range.offsets():
-                entry = tracked_range.entry_at(offset)
-                if entry.key not in finished:
-                    left.append(row_from_entry(entry))
-                    counts.add(count_key, 1)
+            message = (
+                tracked_range.group_id,
+                tracked_range.origin_topic,
+                tracked_range.origin_partition,
+            )
+            offsets = set(tracked_range.offsets())
+            held.setdefault(message, set()).update(offsets)
+            # Only what the round did not finish is made into entries, one by one.
+            for offset in sorted(offsets - finished_at.get(message, set())):
+                left.append(row_from_entry(tracked_range.entry_at(offset)))
+                counts.add(count_key, 1)
         for row_chunk in chunks(sorted(left, key=ROW_KEY), 5_000):
             await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, row_chunk)
+        return held
 
     async def finish_redelivery(
         self,
@@ -359,8 +374,11 @@ class DueClaims(PartitionOwnership):
             )
             counts = CountChanges()
             finished = sorted([*done, *(d.entry.key for d in dead)])
-            await self._dissolve_claimed_ranges(conn, token, set(finished), counts)
-            for chunk in chunks(finished, KEY_CHUNK):
+            held = await self._dissolve_claimed_ranges(conn, token, finished, counts)
+            entries_finished = [
+                key for key in finished if key[3] not in held.get(key[:3], _NO_OFFSETS)
+            ]
+            for chunk in chunks(entries_finished, KEY_CHUNK):
                 gone = await conn.execute(
                     delete(tracked)
                     .where(keys_in(self.engine, KEY_COLUMNS, chunk), tracked.c.claim_token == token)
@@ -467,6 +485,10 @@ class DueClaims(PartitionOwnership):
             partition, topic, group, state = before[key]
             counts.add((partition, topic, group, state), -1)
             counts.add((partition, topic, group, State.LOST.value), 1)
+
+
+#: No offsets (what a lane without a dissolved range holds).
+_NO_OFFSETS: frozenset[int] = frozenset()
 
 
 def _due_params(group: Sequence[tuple[int, int]], limit: int) -> dict[str, Any]:
