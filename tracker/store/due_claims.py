@@ -304,10 +304,11 @@ class DueClaims(PartitionOwnership):
 
         Offsets settled or split off by markers since the claim are no longer in the ranges
         (a diverged offset took the token into its entry), so nothing here undoes them.
-        Returned: the offsets the deleted ranges held, per (group, topic, partition). An
-        offset a range holds has no entry row (an offset is in a range or in an entry, never
-        both), so the round's finished offsets among them need no delete of their own: a
-        round of range copies costs one statement here, not a keyed delete per copy.
+        Returned: the offsets the deleted ranges held, per (group, origin topic, origin
+        partition). An offset a range holds has no entry row (an offset is in a range or in
+        an entry, never both), so the round's finished offsets among them need no delete of
+        their own: a round of range copies costs one statement here, not a keyed delete per
+        copy.
         """
         gone = await conn.execute(
             delete(ranges_table)
@@ -324,15 +325,15 @@ class DueClaims(PartitionOwnership):
             lane = (tracked_range.markers_partition, tracked_range.origin_topic)
             count_key = (*lane, tracked_range.group_id, State.IN_FLIGHT.value)
             counts.add(count_key, -tracked_range.open_count)
-            message = (
+            origin = (
                 tracked_range.group_id,
                 tracked_range.origin_topic,
                 tracked_range.origin_partition,
             )
             offsets = set(tracked_range.offsets())
-            held.setdefault(message, set()).update(offsets)
+            held.setdefault(origin, set()).update(offsets)
             # Only what the round did not finish is made into entries, one by one.
-            for offset in sorted(offsets - finished_at.get(message, set())):
+            for offset in sorted(offsets - finished_at.get(origin, set())):
                 left.append(row_from_entry(tracked_range.entry_at(offset)))
                 counts.add(count_key, 1)
         for row_chunk in chunks(sorted(left, key=ROW_KEY), 5_000):
