@@ -298,17 +298,16 @@ class DueClaims(PartitionOwnership):
         token: str,
         finished: Sequence[EntryKey],
         counts: CountChanges,
-    ) -> dict[tuple[str, str, int], set[int]]:
+    ) -> list[EntryKey]:
         """Delete the ranges claimed with ``token``; their offsets the round did not finish
         become entries claimed with it (for the lost and put-back paths that follow).
 
         Offsets settled or split off by markers since the claim are no longer in the ranges
         (a diverged offset took the token into its entry), so nothing here undoes them.
-        Returned: the offsets the deleted ranges held, per (group, origin topic, origin
-        partition). An offset a range holds has no entry row (an offset is in a range or in
-        an entry, never both), so the round's finished offsets among them need no delete of
-        their own: a round of range copies costs one statement here, not a keyed delete per
-        copy.
+        Returned: the ``finished`` keys the deleted ranges did not hold, the only ones with
+        an entry row to delete. An offset a range holds has no entry row (an offset is in a
+        range or in an entry, never both), so a round of range copies costs one statement
+        here, not a keyed delete per copy.
         """
         gone = await conn.execute(
             delete(ranges_table)
@@ -333,12 +332,12 @@ class DueClaims(PartitionOwnership):
             offsets = set(tracked_range.offsets())
             held.setdefault(origin, set()).update(offsets)
             # Only what the round did not finish is made into entries, one by one.
-            for offset in sorted(offsets - finished_at.get(origin, set())):
+            for offset in sorted(offsets.difference(finished_at.get(origin, ()))):
                 left.append(row_from_entry(tracked_range.entry_at(offset)))
                 counts.add(count_key, 1)
         for row_chunk in chunks(sorted(left, key=ROW_KEY), 5_000):
             await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, row_chunk)
-        return held
+        return [key for key in finished if key[3] not in held.get(key[:3], ())]
 
     async def finish_redelivery(
         self,
@@ -375,10 +374,7 @@ class DueClaims(PartitionOwnership):
             )
             counts = CountChanges()
             finished = sorted([*done, *(d.entry.key for d in dead)])
-            held = await self._dissolve_claimed_ranges(conn, token, finished, counts)
-            entries_finished = [
-                key for key in finished if key[3] not in held.get(key[:3], _NO_OFFSETS)
-            ]
+            entries_finished = await self._dissolve_claimed_ranges(conn, token, finished, counts)
             for chunk in chunks(entries_finished, KEY_CHUNK):
                 gone = await conn.execute(
                     delete(tracked)
@@ -486,10 +482,6 @@ class DueClaims(PartitionOwnership):
             partition, topic, group, state = before[key]
             counts.add((partition, topic, group, state), -1)
             counts.add((partition, topic, group, State.LOST.value), 1)
-
-
-#: No offsets (what a lane without a dissolved range holds).
-_NO_OFFSETS: frozenset[int] = frozenset()
 
 
 def _due_params(group: Sequence[tuple[int, int]], limit: int) -> dict[str, Any]:
