@@ -25,6 +25,8 @@ from typing import IO, Any
 
 import httpx
 
+from tracker.gc_policy import apply_gc_policy
+
 from .common import ROOT, rss_mb
 
 
@@ -46,6 +48,7 @@ async def _api_only(settings_json: str, port: int) -> None:
 
     logging.basicConfig(level=logging.ERROR)
     settings = TrackerSettings(**json.loads(settings_json))
+    apply_gc_policy(settings.gc_gen0_threshold)  # as `kmq-tracker api` does
     stopping = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
     app = create_standalone_app(settings)
@@ -67,6 +70,7 @@ async def _main(settings_json: str, port: int) -> None:
 
     logging.basicConfig(level=logging.ERROR)
     settings = TrackerSettings(**json.loads(settings_json))
+    apply_gc_policy(settings.gc_gen0_threshold)  # as `kmq-tracker run` does
     tracker = create_tracker(settings)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
