@@ -306,51 +306,53 @@ async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[st
     try:
         await mk.fill_queue(bootstrap, queue, PARTITIONS, expected // PARTITIONS + rate, SIZE)
         tracker = _tracker(infra, infra.database_url(store, unique("s3b")), markers, retry)
-        await tracker.start()
-        readers: list[asyncio.Task[None]] = []
-        try:
-            await wait_until(
-                lambda: len(tracker.ingest.owned_epochs()) == PARTITIONS, 60, "partitions"
-            )
-            await asyncio.sleep(1.0)  # let ingest record that it is caught up
-            readers = [
-                asyncio.create_task(
-                    read_timestamps(
-                        bootstrap,
-                        markers,
-                        starts,
-                        lambda r: (r.partition, mk_origin(r.value)),
-                        stop,
-                    )
-                ),
-                asyncio.create_task(
-                    read_timestamps(
-                        bootstrap, retry, copies, lambda r: (-1, copy_origin(r.headers)), stop
-                    )
-                ),
-            ]
-            process = multiprocessing.get_context("spawn").Process(
-                target=_paced_starts,
-                args=(bootstrap, markers, queue, rate, seconds, LEASE_MS),
-                daemon=True,
-            )
-            process.start()
-            await asyncio.to_thread(process.join, seconds + 60)
-            await wait_until(
-                lambda: len(copies) >= len(starts) > 0, LEASE_MS / 1000 + 60, "all copies", 0.1
-            )
-            histogram = tracker.metrics.redelivery_lateness
-            tracker_p50 = _histogram_quantile(histogram, 0.5)
-            tracker_p99 = _histogram_quantile(histogram, 0.99)
-            rounds = _histogram_mean_count(tracker.metrics.redelivery_seconds)
-            claim_lateness = _histogram_mean_count(histogram)[0]
-            phases = _phase_means_ms(tracker.metrics)
-        finally:
-            stop.set()
-            for task in readers:
-                with contextlib.suppress(Exception):
-                    await task
-            await tracker.close()
+        # The collector policy `kmq-tracker run` sets for its process (tracker.gc_policy).
+        with gc_policy(tracker.settings.gc_gen0_threshold):
+            await tracker.start()
+            readers: list[asyncio.Task[None]] = []
+            try:
+                await wait_until(
+                    lambda: len(tracker.ingest.owned_epochs()) == PARTITIONS, 60, "partitions"
+                )
+                await asyncio.sleep(1.0)  # let ingest record that it is caught up
+                readers = [
+                    asyncio.create_task(
+                        read_timestamps(
+                            bootstrap,
+                            markers,
+                            starts,
+                            lambda r: (r.partition, mk_origin(r.value)),
+                            stop,
+                        )
+                    ),
+                    asyncio.create_task(
+                        read_timestamps(
+                            bootstrap, retry, copies, lambda r: (-1, copy_origin(r.headers)), stop
+                        )
+                    ),
+                ]
+                process = multiprocessing.get_context("spawn").Process(
+                    target=_paced_starts,
+                    args=(bootstrap, markers, queue, rate, seconds, LEASE_MS),
+                    daemon=True,
+                )
+                process.start()
+                await asyncio.to_thread(process.join, seconds + 60)
+                await wait_until(
+                    lambda: len(copies) >= len(starts) > 0, LEASE_MS / 1000 + 60, "all copies", 0.1
+                )
+                histogram = tracker.metrics.redelivery_lateness
+                tracker_p50 = _histogram_quantile(histogram, 0.5)
+                tracker_p99 = _histogram_quantile(histogram, 0.99)
+                rounds = _histogram_mean_count(tracker.metrics.redelivery_seconds)
+                claim_lateness = _histogram_mean_count(histogram)[0]
+                phases = _phase_means_ms(tracker.metrics)
+            finally:
+                stop.set()
+                for task in readers:
+                    with contextlib.suppress(Exception):
+                        await task
+                await tracker.close()
     finally:
         await delete_topics(bootstrap, [queue, retry, markers])
     by_origin = {origin: ts for (_, origin), ts in starts.items()}
@@ -436,9 +438,7 @@ async def run(
             )
         )
     for store in stores:
-        # The tracker under the collector policy `kmq-tracker run` sets (its default).
-        with gc_policy(DEFAULT_GEN0_THRESHOLD):
-            s = await steady(infra, store, steady_rate, steady_seconds)
+        s = await steady(infra, store, steady_rate, steady_seconds)
         samples = s.pop("samples_ms")
         result.data[f"steady_{store}"] = s
         result.data[f"steady_{store}_samples_ms"] = samples[:: max(1, len(samples) // 2000)]
