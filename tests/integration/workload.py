@@ -22,6 +22,8 @@ from datetime import timedelta
 from tracker import headers as h
 from tracker.client import KmqMessage, KmqProducer
 from tracker.ids import MessageId
+from tracker.protocol import Marker, MarkerKind, RangeMarker, decode_marker
+from tracker.protocol_v2 import RangeKind
 
 from .engine_support import Seen, consumer
 
@@ -205,6 +207,59 @@ class Ledger:
             bad += [(origin, n) for n in sorted(attempts) if self.copies[(origin, n + 1)] > 0]
         return bad
 
+    def acked_then_copied(self, markers: MarkerLog) -> list[tuple[MessageId, int]]:
+        """(b) as the tracker could know it, the markers topic deciding: ``(origin, n)`` whose
+        ack was written and *then* a copy of attempt n+1 produced.
+
+        Two kinds of copy follow an ack of the app without breaking one (docs/reliability.md,
+        "When duplicates happen"), and are left out:
+
+        * the copy was produced before the ack was written: the tracker acted on an earlier
+          delivery's lease (a batch STARTed, its offset commit failed at a rebalance, and the
+          partition's next owner read it again after the lease ran out, then acked it);
+        * a START of attempt n fell between the ack and the copy: the acked attempt was read
+          again (a commit lost at a rebalance) and that new delivery was not settled.
+
+        An ack the worker made that never reached the markers topic counts: nothing excuses it.
+        """
+        copied_ms: dict[tuple[MessageId, int], int] = {}
+        for record in self.copy_records:
+            identity = copy_identity(record)
+            assert identity is not None
+            copied_ms[identity] = min(record.timestamp_ms, copied_ms.get(identity, 1 << 62))
+        bad: list[tuple[MessageId, int]] = []
+        for origin, n in self.acked_then_redelivered():
+            acked_at = markers.acked_ms.get((origin, n))
+            copied_at = copied_ms[(origin, n + 1)]
+            if acked_at is not None and copied_at <= acked_at:
+                continue
+            starts = markers.started_ms.get((origin, n), ())
+            if acked_at is not None and any(acked_at < at <= copied_at for at in starts):
+                continue
+            bad.append((origin, n))
+        return bad
+
+    def story(self, origin: MessageId, markers: MarkerLog, workers: Iterable[Worker]) -> str:
+        """What happened to one message, for an assertion's message (epoch ms)."""
+        copies = sorted(
+            (identity[1], record.timestamp_ms)
+            for record in self.copy_records
+            if (identity := copy_identity(record)) is not None and identity[0] == origin
+        )
+        receptions = [
+            f"worker {i} (v{w.marker_version}) attempt {r.attempt} acked={r.acked} at "
+            f"{r.at * 1000:.0f}"
+            for i, w in enumerate(workers)
+            for r in w.received
+            if r.origin == origin
+        ]
+        marks = {k: v for k, v in markers.acked_ms.items() if k[0] == origin}
+        starts = {k: v for k, v in markers.started_ms.items() if k[0] == origin}
+        return (
+            f"{origin}: copies (attempt, ms) {copies}; acks written {marks}; "
+            f"STARTs written {starts}; received {receptions}"
+        )
+
     def duplicates(self) -> dict[tuple[MessageId, int], int]:
         """(c) ``(origin, attempt)`` republished more than once -> the extra copies."""
         return {key: n - 1 for key, n in self.copies.items() if n > 1}
@@ -224,3 +279,33 @@ class Ledger:
             f"{len(self.never_acked())} never acked, "
             f"{len(self.acked_then_redelivered())} redelivered after an ack"
         )
+
+
+@dataclass
+class MarkerLog:
+    """When the markers topic first says each ``(origin, attempt)`` was acked, and every time
+    it was STARTed (the records' timestamps, ms): what the tracker could know, and when."""
+
+    acked_ms: dict[tuple[MessageId, int], int]
+    started_ms: dict[tuple[MessageId, int], list[int]]
+
+    @classmethod
+    def read(cls, records: Iterable[Seen]) -> MarkerLog:
+        acked: dict[tuple[MessageId, int], int] = {}
+        started: dict[tuple[MessageId, int], list[int]] = defaultdict(list)
+        for record in records:
+            marker = decode_marker(record.value)
+            at = record.timestamp_ms
+            if isinstance(marker, RangeMarker):
+                if marker.kind is RangeKind.RANGE_SETTLE:
+                    for message in marker.messages():
+                        acked.setdefault((message, 1), at)
+                elif marker.kind is RangeKind.RANGE_START:
+                    for message in marker.messages():
+                        started[(message, 1)].append(at)
+            elif isinstance(marker, Marker):
+                if marker.kind is MarkerKind.ACK:
+                    acked.setdefault((marker.origin, marker.attempt), at)
+                elif marker.kind is MarkerKind.START:
+                    started[(marker.origin, marker.attempt)].append(at)
+        return cls(acked, dict(started))
