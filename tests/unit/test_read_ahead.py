@@ -178,7 +178,9 @@ class Rig:
     def now_ms(self) -> int:
         return to_millis(self.clock.now())
 
-    async def start(self, offsets: Iterable[int]) -> None:
+    async def start(self, offsets: Iterable[int], *, written_ms: int | None = None) -> None:
+        """Ingest applies START markers for ``offsets`` (written at ``written_ms``, now if
+        not given)."""
         if not self.epochs:
             claims = await self.store.claim_partitions(MARKERS, [0], "a", self.now_ms())
             self.epochs = {0: claims[0].epoch}
@@ -187,7 +189,8 @@ class Rig:
         for offset in offsets:
             self.source.records[at(offset)] = record(f"v{offset}".encode())
             marker = Marker.start(GROUP, at(offset), timeout_ms=LEASE_MS)
-            pendings.append(PendingMarker(marker, self.now_ms(), 0, offset))
+            written = self.now_ms() if written_ms is None else written_ms
+            pendings.append(PendingMarker(marker, written, 0, offset))
         await self.store.apply(
             MARKERS,
             {0: PartitionProgress(self.epochs[0], pendings[-1].markers_offset + 1)},
@@ -219,6 +222,31 @@ async def test_entries_are_read_once_as_their_deadline_passes_and_the_round_copi
         assert rig.source.asked == [at(5), at(6)], "the round read nothing itself"
         assert sorted(value or b"" for _, value, _ in rig.producer.logs[TOPIC]) == [b"v5", b"v6"]
         assert rig.held.held == 0
+    finally:
+        stopping.set()
+        await loop
+
+
+async def test_an_entry_written_already_due_is_read_ahead_at_once() -> None:
+    rig = Rig()
+    await rig.start([5])
+    stopping = asyncio.Event()
+    loop = asyncio.create_task(rig.read_ahead.run(stopping))
+    try:
+        await until(lambda: rig.read_ahead.looks >= 1, what="the first look")
+        rig.clock.advance(timedelta(milliseconds=LEASE_MS))
+        rig.redeliverer.notify_due(rig.now_ms())
+        await until(lambda: rig.held.held == 1, what="the first entry read ahead")
+        rig.clock.advance(timedelta(seconds=5))
+        looks = rig.read_ahead.looks
+        rig.redeliverer.notify_due(rig.now_ms())
+        await until(lambda: rig.read_ahead.looks > looks, what="a look covering the last 5 s")
+        # A START ingest reads late (a backlog): its lease ran out 4 s ago, before that look.
+        written = rig.now_ms() - 5 * LEASE_MS
+        await rig.start([7], written_ms=written)
+        rig.redeliverer.notify_due(written + LEASE_MS)  # as ingest does after the write
+        await until(lambda: rig.held.held == 2, what="the late entry read ahead")
+        assert rig.source.asked == [at(5), at(7)]
     finally:
         stopping.set()
         await loop

@@ -20,7 +20,8 @@ round copies a record that existed moments ago instead of recording it lost.
 
 :class:`ReadAhead` decides what to read: every due entry and range of the owned markers
 partitions once, as its deadline passes (``TrackerStore.copies_falling_due``, a read-only
-query on the due-time indexes), woken early when ingest writes a nearer due time.
+query on the due-time indexes), woken early when ingest writes a nearer due time, and looking
+back (one batch) when ingest writes one already past.
 """
 
 from __future__ import annotations
@@ -179,11 +180,27 @@ class ReadAhead:
         self._batch = batch
         self._wake = asyncio.Event()
         self._wake_at_ms: int | None = None
+        #: due times up to this were looked at (set as a look starts); ingest writing an
+        #: earlier one sends the next look back for it
+        self._looked_to_ms: int | None = None
+        self._rewind_to_ms: int | None = None
         #: looks at the store so far (tests wait on it)
         self.looks = 0
 
     def notify_due(self, due_ms: int) -> None:
-        """Ingest wrote an entry due at ``due_ms``: look at it then, if sooner than planned."""
+        """Ingest wrote an entry due at ``due_ms``: look at it then, if sooner than planned.
+
+        An entry written already due (its lease ran out before ingest read its START: a
+        tracker catching up a backlog; a 1 ms EXTEND that gives a batch back) falls before
+        what the last look covered: the read ahead wakes at once and looks back for it.
+        """
+        looked = self._looked_to_ms
+        if looked is not None and due_ms <= looked:
+            rewind = self._rewind_to_ms
+            if rewind is None or due_ms - 1 < rewind:
+                self._rewind_to_ms = due_ms - 1
+            self._wake.set()
+            return
         wake_at = self._wake_at_ms
         if wake_at is None or due_ms < wake_at:
             self._wake.set()
@@ -200,7 +217,10 @@ class ReadAhead:
         backoff = 0.5
         while not stopping.is_set():
             self._wake.clear()
+            rewind, self._rewind_to_ms = self._rewind_to_ms, None
             try:
+                if rewind is not None and rewind < after_ms:
+                    await self._look_back(rewind, after_ms)
                 after_ms, delay = await self._look(after_ms)
                 backoff = 0.5
             except StoreUnavailable as exc:
@@ -213,6 +233,17 @@ class ReadAhead:
                 finally:
                     self._wake_at_ms = None
 
+    async def _look_back(self, after_ms: int, until_ms: int) -> None:
+        """Read ahead one batch of the copies due in ``(after_ms, until_ms]``: what ingest
+        wrote already due, earliest first. One batch, not every page: the window also holds
+        what is due and not claimed yet (read ahead before, or left to the rounds in a
+        backlog), and asking for all of it at each write would load the store for nothing."""
+        owned = sorted(self._owned())
+        if owned:
+            found = await self._store.copies_falling_due(owned, after_ms, until_ms, self._batch)
+            if found:
+                await self.originals.read_ahead(position for _, position in found)
+
     async def _look(self, after_ms: int) -> tuple[int, float]:
         """Read ahead the copies due in ``(after_ms, now]``; returns the new ``after_ms`` and
         how long to sleep."""
@@ -220,6 +251,7 @@ class ReadAhead:
         now_ms = to_millis(self._clock.now())
         if not owned:
             return now_ms, self._max_idle
+        self._looked_to_ms = now_ms  # before the query: a write during it sends the next back
         found = await self._store.copies_falling_due(owned, after_ms, now_ms, self._batch)
         self.looks += 1
         if found:
