@@ -240,9 +240,17 @@ class ReadAhead:
         backlog), and asking for all of it at each write would load the store for nothing."""
         owned = sorted(self._owned())
         if owned:
-            found = await self._store.copies_falling_due(owned, after_ms, until_ms, self._batch)
-            if found:
-                await self.originals.read_ahead(position for _, position in found)
+            await self._read_falling_due(owned, after_ms, until_ms)
+
+    async def _read_falling_due(
+        self, owned: list[int], after_ms: int, until_ms: int
+    ) -> list[tuple[int, MessageId]]:
+        """Read ahead (one batch of) the copies due in ``(after_ms, until_ms]``; returns
+        their ``(due_ms, position)``, earliest first."""
+        found = await self._store.copies_falling_due(owned, after_ms, until_ms, self._batch)
+        if found:
+            await self.originals.read_ahead(position for _, position in found)
+        return found
 
     async def _look(self, after_ms: int) -> tuple[int, float]:
         """Read ahead the copies due in ``(after_ms, now]``; returns the new ``after_ms`` and
@@ -252,10 +260,8 @@ class ReadAhead:
         if not owned:
             return now_ms, self._max_idle
         self._looked_to_ms = now_ms  # before the query: a write during it sends the next back
-        found = await self._store.copies_falling_due(owned, after_ms, now_ms, self._batch)
+        found = await self._read_falling_due(owned, after_ms, now_ms)
         self.looks += 1
-        if found:
-            await self.originals.read_ahead(position for _, position in found)
         if len(found) >= self._batch:
             # More fell due than one read takes: go on from the last one at once (copies of
             # the same due time past the batch are read by their round).
