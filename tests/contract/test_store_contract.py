@@ -931,6 +931,35 @@ async def test_a_claimed_range_follows_the_markers_of_its_round_as_v1_entries_wo
         await assert_counters_match(store.engine)
 
 
+async def test_a_due_range_is_claimed_as_a_range_not_an_entry_per_offset(
+    store: TrackerStore,
+) -> None:
+    """``claim_due_ranges`` hands a round the due ranges as ranges (as they were, with the
+    token) and the due entries apart; the range that crosses the batch is split, its lowest
+    offsets claimed and the rest left due for the next claim."""
+    epochs = await claim(store)
+    await start(store, epochs, 40, timeout_ms=1_000)
+    batch = RangeMarker.start(GROUP, TOPIC, 0, 0, 9, exceptions=0b100, timeout_ms=2_000)
+    await apply(store, epochs, [pending(batch, T0, 5)])
+    taken = await store.claim_due_ranges(
+        MARKERS,
+        epochs=epochs,
+        due_by=dict.fromkeys(epochs, T0 + 5_000),
+        now_ms=T0 + 5_000,
+        limit=5,
+        lease_ms=5_000,
+        token="r1",
+    )
+    assert taken.fenced == set()
+    assert [(e.origin_offset, e.claim_token) for e in taken.entries] == [(40, "r1")]
+    [claimed] = taken.ranges
+    assert (claimed.base_offset, list(claimed.offsets())) == (0, [0, 1, 3, 4])
+    assert (claimed.claim_token, claimed.due_at_ms, claimed.group_id) == ("r1", T0 + 2_000, GROUP)
+    assert [e.origin_offset for e in taken.expanded()] == [0, 1, 3, 4, 40]
+    rest = [t for t in await store.list_ranges() if t.claim_token is None]
+    assert [(list(t.offsets()), t.due_at_ms) for t in rest] == [([5, 6, 7, 8, 9], T0 + 2_000)]
+
+
 async def test_a_range_claim_that_outlived_its_lease_is_recorded_by_its_new_round_only(
     store: TrackerStore,
 ) -> None:

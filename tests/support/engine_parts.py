@@ -227,9 +227,11 @@ def redeliverer_without_ingest(
     epochs: Callable[[], dict[int, int]],
     max_attempts: int,
     read_ahead: ReadAhead | None = None,
+    pending: Callable[[Iterable[EntryKey]], set[EntryKey]] = _nothing_pending,
 ) -> Redeliverer:
     """A redeliverer over markers partition 0 whose safe horizon is the clock (no ingest):
-    every entry due by the test's clock may be acted on."""
+    every entry due by the test's clock may be acted on. ``pending``: the keys with markers
+    in a coalescing window, as ingest would answer."""
     policy = TopicPolicy(max_attempts=max_attempts)
     return Redeliverer(
         store=store,
@@ -237,7 +239,7 @@ def redeliverer_without_ingest(
         originals=originals,
         markers_topic="kmq-markers",
         progress=FixedProgress(
-            owned=lambda: dict(epochs()), safe=lambda: {0: to_millis(clock.now())}
+            owned=lambda: dict(epochs()), safe=lambda: {0: to_millis(clock.now())}, pending=pending
         ),
         policy_for=lambda _topic: policy,
         clock=clock,

@@ -93,6 +93,14 @@ class CopyBatches:
         for (batch, _), outcome in zip(queued, outcomes, strict=True):
             batch.outcome = outcome
 
+    def failure(self, ticket: int) -> BaseException | None:
+        """What failed the record's batch, or None if the broker took it (no position built:
+        a copy's position is only kept for a dead letter)."""
+        outcome = self._tickets[ticket][0].outcome
+        if outcome is None:
+            return RuntimeError("the record's batch was not sent")
+        return outcome if isinstance(outcome, BaseException) else None
+
     def result(self, ticket: int) -> Produced | BaseException:
         batch, relative = self._tickets[ticket]
         outcome = batch.outcome

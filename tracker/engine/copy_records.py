@@ -20,17 +20,23 @@ def outgoing_record(
 ) -> tuple[str, list[tuple[str, bytes | None]], str]:
     """Target topic, headers and a description of the record to produce for ``entry``."""
     origin = MessageId(entry.origin_topic, entry.origin_partition, entry.origin_offset)
+    if plan.decision is Decision.REDELIVER:
+        target = policy.retry_for(entry.origin_topic)
+        headers = copy_headers(
+            original.headers,
+            str(origin),
+            entry.group_id.encode(),
+            entry.first_seen_ms,
+            (h.ATTEMPT, str(plan.attempt).encode()),
+        )
+        what = "delayed message due" if entry.deferred else f"attempt {plan.attempt}"
+        return target, headers, f"{what} -> {target}"
     base = h.without_kmq_headers(original.headers)
     identity = [
         (h.ORIGIN, str(origin).encode()),
         (h.GROUP, entry.group_id.encode()),
         (h.FIRST_SEEN, str(entry.first_seen_ms).encode()),
     ]
-    if plan.decision is Decision.REDELIVER:
-        target = policy.retry_for(entry.origin_topic)
-        attempt = [(h.ATTEMPT, str(plan.attempt).encode())]
-        what = "delayed message due" if entry.deferred else f"attempt {plan.attempt}"
-        return target, [*base, *identity, *attempt], f"{what} -> {target}"
     target = policy.dlq_for(entry.origin_topic)
     source = f"{entry.copy_topic}/{entry.copy_partition}/{entry.copy_offset}"
     dlq = [
@@ -44,12 +50,36 @@ def outgoing_record(
     return target, [*base, *identity, *dlq], f"{plan.reason} -> {target}"
 
 
+def copy_headers(
+    original_headers: tuple[tuple[str, bytes | None], ...],
+    origin: str,
+    group: bytes,
+    first_seen_ms: int,
+    attempt: tuple[str, bytes],
+) -> list[tuple[str, bytes | None]]:
+    """A copy's headers: the original's own (kmq's left out), then origin, group, first
+    sighting and ``attempt`` (the ``ATTEMPT`` header). ``group`` and ``attempt`` come built:
+    a claimed range builds them once for all its copies."""
+    return [
+        *h.without_kmq_headers(original_headers),
+        (h.ORIGIN, origin.encode()),
+        (h.GROUP, group),
+        (h.FIRST_SEEN, str(first_seen_ms).encode()),
+        attempt,
+    ]
+
+
 def first_seen_ms(entry: Entry, original: OriginalRecord) -> int:
     """The earliest sighting: the entry's, or the one a copy carries from earlier attempts."""
+    return earliest_sighting(entry.first_seen_ms, original)
+
+
+def earliest_sighting(first_seen: int, original: OriginalRecord) -> int:
+    """``first_seen``, or the earlier sighting that ``original`` carries as a copy."""
     for name, value in original.headers:
         if name == h.FIRST_SEEN and value and value.isdigit():
-            return min(entry.first_seen_ms, int(value))
-    return entry.first_seen_ms
+            return min(first_seen, int(value))
+    return first_seen
 
 
 def payloads_key(

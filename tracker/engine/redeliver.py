@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -27,6 +28,12 @@ from typing import Any
 from tracker.clock import Clock, to_millis
 from tracker.domain.entries import Entry, EntryKey
 from tracker.domain.policy import TopicPolicy
+from tracker.engine.claimed_ranges import (
+    offset_keys,
+    queue_range_copies,
+    range_positions,
+    split_by_plan,
+)
 from tracker.engine.copies import CopyBatches
 from tracker.engine.due_alarm import DueAlarm
 from tracker.engine.read_ahead import ReadAhead
@@ -34,6 +41,7 @@ from tracker.engine.redelivery_rounds import ClaimedRound, QueuedRound, TrackerE
 from tracker.engine.round_copies import queue_copies, read_payloads
 from tracker.engine.round_outcome import RETRY_AFTER_MS, tally_round
 from tracker.engine.signals import IngestProgress
+from tracker.ids import MessageId
 from tracker.kafka.original_records import Missing, OriginalRecord
 from tracker.metrics import Metrics
 from tracker.ports import OriginalsSource
@@ -268,7 +276,7 @@ class Redeliverer:
         now_ms = to_millis(self._clock.now())
         due_by = {p: min(now_ms, safe) for p, safe in self._safe_until().items()}
         token = uuid.uuid4().hex
-        claimed, fenced = await self._store.claim_due(
+        claim = await self._store.claim_due_ranges(
             self._markers_topic,
             epochs=epochs,
             due_by=due_by,
@@ -278,32 +286,56 @@ class Redeliverer:
             token=token,
         )
         self._phase["claim"].observe(time.perf_counter() - started)
+        claimed, fenced = claim.entries, claim.fenced
         if fenced:
             log.warning("redelivery fenced out of markers partitions %s", sorted(fenced))
             self._metrics.fenced.inc()
-        if not claimed:
+        if not claimed and not claim.ranges:
             return None
-        # An entry with markers still in the coalescing window (an ACK, say) is decided by
-        # them: leave it until they are applied.
-        waiting = self._pending_keys(e.key for e in claimed)
+        # A message with markers still in the coalescing window (an ACK, say) is decided by
+        # them: leave it until they are applied (a range's other offsets go on as a range).
+        range_keys = [offset_keys(t) for t in claim.ranges]
+        waiting = self._pending_keys(
+            itertools.chain((e.key for e in claimed), itertools.chain.from_iterable(range_keys))
+        )
         entries = [e for e in claimed if e.key not in waiting] if waiting else claimed
         later = [
             (e.key, max(e.due_at_ms or now_ms, now_ms + WAIT_FOR_PENDING_MS))
             for e in claimed
             if e.key in waiting
         ]
+        ranges = claim.ranges
+        if waiting:
+            ranges = []
+            for tracked_range, keys in zip(claim.ranges, range_keys, strict=True):
+                held = [key for key in keys if key in waiting]
+                later += [
+                    (key, max(tracked_range.due_at_ms, now_ms + WAIT_FOR_PENDING_MS))
+                    for key in held
+                ]
+                rest = tracked_range.open_bits
+                for key in held:
+                    rest &= ~(1 << (key[3] - tracked_range.base_offset))
+                if rest:
+                    ranges.append(tracked_range.piece(rest))
         lateness = self._metrics.redelivery_lateness
         for entry in entries:
             if entry.due_at_ms is not None:
                 lateness.observe(max(0, now_ms - entry.due_at_ms) / 1000)
+        for tracked_range in ranges:
+            late = max(0, now_ms - tracked_range.due_at_ms) / 1000
+            for _ in range(tracked_range.open_count):
+                lateness.observe(late)
         return ClaimedRound(
             token=token,
             started=started,
             epochs={p: e for p, e in epochs.items() if p not in fenced},
             entries=entries,
+            ranges=ranges,
             later=later,
-            partitions={e.markers_partition for e in claimed},
-            full=len(claimed) >= self._batch,
+            partitions={e.markers_partition for e in claimed}
+            | {t.markers_partition for t in claim.ranges},
+            full=len(claimed) + sum(t.open_count for t in claim.ranges) >= self._batch,
         )
 
     async def _produce(self, claimed: ClaimedRound) -> QueuedRound:
@@ -314,15 +346,21 @@ class Redeliverer:
         """
         now_ms = to_millis(self._clock.now())
         retry: list[tuple[EntryKey, int]] = list(claimed.later)
-        entries = claimed.entries
+        entries, ranges = claimed.entries, claimed.ranges
         owned = self._owned_epochs()
         moved = {p for p, epoch in claimed.epochs.items() if owned.get(p) != epoch}
         if moved:
             retry += [(e.key, now_ms) for e in entries if e.markers_partition in moved]
             entries = [e for e in entries if e.markers_partition not in moved]
+            for tracked_range in ranges:
+                if tracked_range.markers_partition in moved:
+                    retry += [(key, now_ms) for key in offset_keys(tracked_range)]
+            ranges = [t for t in ranges if t.markers_partition not in moved]
             log.info("markers partitions %s changed owner during a round", sorted(moved))
+        copied, diverged = split_by_plan(ranges, self._policy_for)
+        entries = [*entries, *diverged]
         started = time.perf_counter()
-        payloads = await self._payloads(entries)  # none to read: {} at once
+        payloads, found = await self._payloads(entries, range_positions(copied))
         built = time.perf_counter()
         self._phase["read"].observe(built - started)
         batches = CopyBatches(self._producer)
@@ -336,22 +374,47 @@ class Redeliverer:
             ensure_topic=self._ensure_topic,
             metrics=self._metrics,
         )
+        range_sends, range_lost, range_lost_entries = await queue_range_copies(
+            copied,
+            found,
+            batches,
+            retry,
+            now_ms,
+            policy_for=self._policy_for,
+            ensure_topic=self._ensure_topic,
+            metrics=self._metrics,
+        )
         await batches.queue()
         self._phase["produce"].observe(time.perf_counter() - built)
+        acted = len(entries) + sum(t.open_count for t, _ in copied)
         return QueuedRound(
-            claimed, now_ms, payloads, batches, sends, lost, lost_entries, retry, len(entries)
+            claimed,
+            now_ms,
+            payloads,
+            batches,
+            sends,
+            range_sends,
+            [*lost, *range_lost],
+            [*lost_entries, *range_lost_entries],
+            retry,
+            acted,
         )
 
     async def _payloads(
-        self, entries: list[Entry]
-    ) -> dict[EntryKey, OriginalRecord | Missing | None]:
-        """Each entry's payload; None where the broker could not be read right now."""
-        payloads, unavailable = await read_payloads(self._store, self._originals, entries)
+        self, entries: list[Entry], positions: list[MessageId]
+    ) -> tuple[
+        dict[EntryKey, OriginalRecord | Missing | None], dict[MessageId, OriginalRecord | Missing]
+    ]:
+        """Each entry's payload (None where the broker could not be read right now), and the
+        originals at ``positions`` (left out where they could not be read)."""
+        payloads, found, unavailable = await read_payloads(
+            self._store, self._originals, entries, positions
+        )
         if unavailable is not None:
             self.last_error = f"broker: {unavailable}"
             self._metrics.redelivery_errors.labels("read").inc()
             log.warning("cannot read originals now, retrying later: %s", unavailable)
-        return payloads
+        return payloads, found
 
     async def _record(self, queued: QueuedRound) -> int:
         """Wait for the round's copies to be acknowledged, then record the round."""
@@ -412,6 +475,8 @@ class Redeliverer:
         """Give a claimed round back untouched: its entries are due again (``after_ms``)."""
         now_ms = to_millis(self._clock.now())
         retry = [*claimed.later, *((e.key, now_ms + after_ms) for e in claimed.entries)]
+        for tracked_range in claimed.ranges:
+            retry += [(key, now_ms + after_ms) for key in offset_keys(tracked_range)]
         try:
             await self._record_outcome(
                 claimed, done=[], dead=[], lost=[], retry=retry, now_ms=now_ms

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass
 
 from tracker.domain.entries import Entry, EntryKey, Plan
+from tracker.domain.tracked_range import TrackedRange
 from tracker.engine.copies import CopyBatches
 from tracker.kafka.original_records import Missing, OriginalRecord
 
@@ -24,9 +25,21 @@ class ClaimedRound:
     started: float  #: ``perf_counter`` when the claim began
     epochs: dict[int, int]  #: the owned partitions' epochs the claim was fenced with
     entries: list[Entry]  #: to act on now
+    ranges: list[TrackedRange]  #: to act on now, a range at a time (``claimed_ranges``)
     later: list[tuple[EntryKey, int]]  #: markers still in the coalescing window: due again then
-    partitions: set[int]  #: markers partitions of every claimed entry
+    partitions: set[int]  #: markers partitions of every claimed entry and range
     full: bool  #: the claim took a whole batch: more may be due right now
+
+
+@dataclass(frozen=True, slots=True)
+class RangeCopies:
+    """The copies of one claimed range queued in a round: each offset with its ticket."""
+
+    tracked_range: TrackedRange
+    target: str
+    detail: str  #: what a copy is, for observers (``attempt 2 -> orders``)
+    offsets: list[int]
+    tickets: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +51,11 @@ class QueuedRound:
     payloads: dict[EntryKey, OriginalRecord | Missing | None]
     batches: CopyBatches
     sends: list[tuple[Entry, Plan, str, str, int]]
+    range_sends: list[RangeCopies]
     lost: list[tuple[EntryKey, str]]
     lost_entries: list[Entry]
     retry: list[tuple[EntryKey, int]]
-    acted: int  #: entries acted on (copied, dead-lettered, lost or failed and retried)
+    acted: int  #: messages acted on (copied, dead-lettered, lost or failed and retried)
 
 
 def reap_rounds(tasks: set[asyncio.Task[int]]) -> None:

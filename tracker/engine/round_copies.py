@@ -32,12 +32,22 @@ log = logging.getLogger("tracker.engine.redeliver")
 
 
 async def read_payloads(
-    store: TrackerStore, originals: OriginalsSource, entries: list[Entry]
-) -> tuple[dict[EntryKey, OriginalRecord | Missing | None], OriginalsUnavailable | None]:
-    """Each entry's payload (None where the broker could not be read right now), and why not."""
-    if not entries:
-        return {}, None
-    kept = await store.load_payloads([e.key for e in entries if e.keep_payload])
+    store: TrackerStore,
+    originals: OriginalsSource,
+    entries: list[Entry],
+    also: list[MessageId] | None = None,
+) -> tuple[
+    dict[EntryKey, OriginalRecord | Missing | None],
+    dict[MessageId, OriginalRecord | Missing],
+    OriginalsUnavailable | None,
+]:
+    """Each entry's payload (None where the broker could not be read right now), the
+    originals at the positions ``also`` (in the same read; left out where not read), and why
+    the broker could not be read."""
+    also = also or []
+    if not entries and not also:
+        return {}, {}, None
+    kept = await store.load_payloads([e.key for e in entries if e.keep_payload]) if entries else {}
     out: dict[EntryKey, OriginalRecord | Missing | None] = {}
     need: list[Entry] = []
     for entry in entries:
@@ -49,15 +59,16 @@ async def read_payloads(
         else:
             need.append(entry)
     unavailable: OriginalsUnavailable | None = None
-    if need:
+    found: dict[MessageId, OriginalRecord | Missing] = {}
+    if need or also:
         positions = [MessageId(e.copy_topic, e.copy_partition, e.copy_offset) for e in need]
         try:
-            found = await originals.fetch(positions)
+            found = await originals.fetch([*positions, *also])
         except OriginalsUnavailable as exc:
-            unavailable, found = exc, {}
+            unavailable = exc
         for entry, position in zip(need, positions, strict=True):
             out[entry.key] = found.get(position)
-    return out, unavailable
+    return out, found, unavailable
 
 
 async def queue_copies(

@@ -77,6 +77,26 @@ def tally_round(queued: QueuedRound, metrics: Metrics, *, observed: bool) -> Rou
             counted[metrics.dead_lettered, entry.origin_topic] += 1
             if observed:
                 tally.events.append(TrackerEvent("dead_lettered", entry, detail))
+    for sent in queued.range_sends:  # a range at a time: one count, keys only per offset
+        tracked_range, target = sent.tracked_range, sent.target
+        group, topic, partition = (
+            tracked_range.group_id,
+            tracked_range.origin_topic,
+            tracked_range.origin_partition,
+        )
+        copied = 0
+        for offset, ticket in zip(sent.offsets, sent.tickets, strict=True):
+            error = queued.batches.failure(ticket)
+            if error is not None:
+                failed.setdefault(target, error)
+                retry.append(((group, topic, partition, offset), now_ms + RETRY_AFTER_MS))
+                continue
+            tally.done.append((group, topic, partition, offset))
+            copied += 1
+            if observed:
+                entry = tracked_range.entry_at(offset)
+                tally.events.append(TrackerEvent("redelivered", entry, sent.detail))
+        counted[metrics.redeliveries, topic] += copied
     for target, error in failed.items():  # one line per topic, not one per record
         log.warning("producing to %s failed (retried later): %r", target, error)
         metrics.redelivery_errors.labels("produce").inc()

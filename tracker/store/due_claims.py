@@ -16,7 +16,7 @@ from sqlalchemy import and_, delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
-from tracker.domain.range_claims import range_copies, share_of_batch, take_due_ranges
+from tracker.domain.range_claims import DueClaim, range_copies, share_of_batch, take_due_ranges
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 from tracker.ids import MessageId
 
@@ -154,19 +154,42 @@ class DueClaims(PartitionOwnership):
         lease_ms: int,
         token: str,
     ) -> tuple[list[Entry], set[int]]:
-        """Claim up to ``limit`` entries due by ``due_by[partition]`` in our partitions.
+        """:meth:`claim_due_ranges` with every claimed message as an entry."""
+        claim = await self.claim_due_ranges(
+            markers_topic,
+            epochs=epochs,
+            due_by=due_by,
+            now_ms=now_ms,
+            limit=limit,
+            lease_ms=lease_ms,
+            token=token,
+        )
+        return claim.expanded(), claim.fenced
+
+    async def claim_due_ranges(
+        self,
+        markers_topic: str,
+        *,
+        epochs: dict[int, int],
+        due_by: dict[int, int],
+        now_ms: int,
+        limit: int,
+        lease_ms: int,
+        token: str,
+    ) -> DueClaim:
+        """Claim up to ``limit`` messages due by ``due_by[partition]`` in our partitions.
 
         ``epochs`` are all partitions we believe we own (each is fenced); only those present
-        in ``due_by`` are searched. Claimed entries are pushed to ``now_ms + lease_ms``, so if
-        this replica dies while republishing them they become due again for whoever owns the
-        partition then. Returns the claimed entries (as they were before the claim) and the
+        in ``due_by`` are searched. Claimed entries and ranges are pushed to ``now_ms +
+        lease_ms``, so if this replica dies while republishing them they become due again for
+        whoever owns the partition then. Returns them as they were before the claim, and the
         partitions we turned out to be fenced from.
         """
         async with self.transaction() as conn:
             fenced = await self._fence(conn, markers_topic, epochs, now_ms)
             searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
             if not searched:
-                return [], fenced
+                return DueClaim([], [], fenced)
             claimed_due = now_ms + lease_ms
             groups = list(chunks(sorted(searched.items()), DUE_QUERY_PARTITIONS))
             sqlite = conn.dialect.name == "sqlite"
@@ -195,7 +218,7 @@ class DueClaims(PartitionOwnership):
             elif entry_share:  # one statement marks the rows and returns them as they were
                 rows = await self._due_rows(conn, groups, entry_share, (token, claimed_due))
         claimed = [entry_from_values(row[:ENTRY_WIDTH], token) for row in rows]
-        return ranged + claimed, fenced
+        return DueClaim(claimed, ranged, fenced)
 
     async def _unclaim(
         self, conn: AsyncConnection, rows: Sequence[Sequence[Any]], token: str
@@ -272,16 +295,16 @@ class DueClaims(PartitionOwnership):
         *,
         token: str,
         claimed_due: int,
-    ) -> list[Entry]:
+    ) -> list[TrackedRange]:
         """Claim ``share`` offsets of the due ``candidates`` ranges, as ranges.
 
         A range stays one row while its round runs: the claim writes the token and the lease
         on it, and :meth:`finish_redelivery` deletes it once its copies are out. Only offsets
         the round does not finish (lost, put back) become entries of their own. Returned: the
-        claimed offsets as the entries they stand for (as they were, with the token), which
-        the round redelivers one by one (each copy is a record with its own attempt). The
-        range that would cross ``share`` is split (``take_due_ranges``): a claim of 1,000
-        must not take a range of 65,536 offsets into one round.
+        claimed pieces as they were (due time), with the token; the round copies each offset
+        (a record with its own origin) but plans and tallies the range once. The range that
+        would cross ``share`` is split (``take_due_ranges``): a claim of 1,000 must not take a
+        range of 65,536 offsets into one round.
         """
         taken = take_due_ranges(candidates, share, token=token, claimed_due=claimed_due)
         if taken.written:
@@ -290,7 +313,7 @@ class DueClaims(PartitionOwnership):
                 await upsert_rows(
                     conn, ranges_table, RANGE_COLUMN_NAMES, RANGE_UPDATE_COLUMNS, row_chunk
                 )
-        return taken.entries
+        return taken.claimed
 
     async def _dissolve_claimed_ranges(
         self,

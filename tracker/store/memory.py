@@ -23,7 +23,7 @@ from typing import Any
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
-from tracker.domain.range_claims import range_copies, share_of_batch, take_due_ranges
+from tracker.domain.range_claims import DueClaim, range_copies, share_of_batch, take_due_ranges
 from tracker.domain.ranges import fold_lane_changes, lane_of, touched
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
 from tracker.ids import MessageId
@@ -267,13 +267,35 @@ class InMemoryStore:
         lease_ms: int,
         token: str,
     ) -> tuple[list[Entry], set[int]]:
+        claim = await self.claim_due_ranges(
+            markers_topic,
+            epochs=epochs,
+            due_by=due_by,
+            now_ms=now_ms,
+            limit=limit,
+            lease_ms=lease_ms,
+            token=token,
+        )
+        return claim.expanded(), claim.fenced
+
+    async def claim_due_ranges(
+        self,
+        markers_topic: str,
+        *,
+        epochs: dict[int, int],
+        due_by: dict[int, int],
+        now_ms: int,
+        limit: int,
+        lease_ms: int,
+        token: str,
+    ) -> DueClaim:
         db = self._db
         async with db.lock:
             fenced = self._fenced(markers_topic, epochs)
             self._touch(markers_topic, set(epochs) - fenced, now_ms)
             searched = {p: t for p, t in due_by.items() if p in epochs and p not in fenced}
             if not searched:
-                return [], fenced
+                return DueClaim([], [], fenced)
             candidates = [
                 t
                 for by_key in db.ranges.values()
@@ -299,12 +321,12 @@ class InMemoryStore:
             )
             for tracked_range in taken.written:
                 db.ranges[tracked_range.key[:3]][tracked_range.key] = tracked_range
-            ranged = taken.entries
             for entry in due:
                 db.entries[entry.key] = replace(
                     entry, claim_token=token, due_at_ms=now_ms + lease_ms
                 )
-        return ranged + [replace(entry, claim_token=token) for entry in due], fenced
+        claimed = [replace(entry, claim_token=token) for entry in due]
+        return DueClaim(claimed, [replace(t) for t in taken.claimed], fenced)
 
     def _dissolve_claimed_ranges(self, token: str, finished: set[EntryKey]) -> None:
         """As the SQL store: the token's ranges go; their unfinished offsets become entries."""

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Protocol
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.policy import PolicyLookup
+from tracker.domain.range_claims import DueClaim
 from tracker.domain.tracked_range import TrackedRange
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker
@@ -145,11 +146,26 @@ class TrackerStore(Protocol):
         lease_ms: int,
         token: str,
     ) -> tuple[list[Entry], set[int]]:
-        """Claim up to ``limit`` entries due by ``due_by[partition]`` (earliest first), each
-        pushed to ``now_ms + lease_ms``; due tracked ranges become entries first (in due
+        """:meth:`claim_due_ranges`, every claimed message as an entry (ranges' offsets
+        first): for callers that act per message."""
+        ...
+
+    async def claim_due_ranges(
+        self,
+        markers_topic: str,
+        *,
+        epochs: dict[int, int],
+        due_by: dict[int, int],
+        now_ms: int,
+        limit: int,
+        lease_ms: int,
+        token: str,
+    ) -> DueClaim:
+        """Claim up to ``limit`` messages due by ``due_by[partition]`` (earliest first), each
+        pushed to ``now_ms + lease_ms``: due entries, and due tracked ranges as ranges (in due
         order, about ``limit`` offsets of them; which of equally due ranges is the store's
-        choice). Returns the claimed entries (as they were, with ``token``) and the
-        partitions fenced."""
+        choice; the one that would cross ``limit`` is split). Returns them as they were, with
+        ``token``, and the partitions fenced."""
         ...
 
     async def finish_redelivery(
