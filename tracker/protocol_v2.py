@@ -190,11 +190,19 @@ class RangeMarker(NamedTuple):
 
 
 def iter_bits(bits: int, base: int = 0) -> Iterator[int]:
-    """``base + i`` for every set bit ``i`` of ``bits``, ascending."""
+    """``base + i`` for every set bit ``i`` of ``bits``, ascending.
+
+    A run of set bits at a time (a range is mostly one run: a batch with a few offsets
+    settled or left out), each as a ``range``: no big-int operation per offset.
+    """
     while bits:
-        low = bits & -bits
-        yield base + low.bit_length() - 1
-        bits ^= low
+        zeros = (bits & -bits).bit_length() - 1
+        bits >>= zeros
+        base += zeros
+        ones = (bits ^ (bits + 1)).bit_length() - 1
+        yield from range(base, base + ones)
+        bits >>= ones
+        base += ones
 
 
 def bits_from_runs(runs: list[tuple[int, int]]) -> int:

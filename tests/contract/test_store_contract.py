@@ -948,7 +948,7 @@ async def test_a_due_range_is_claimed_as_a_range_not_an_entry_per_offset(
         now_ms=T0 + 5_000,
         limit=5,
         lease_ms=5_000,
-        token="r1",
+        token="r1",  # noqa: S106 - a round id
     )
     assert taken.fenced == set()
     assert [(e.origin_offset, e.claim_token) for e in taken.entries] == [(40, "r1")]
