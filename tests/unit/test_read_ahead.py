@@ -252,6 +252,36 @@ async def test_an_entry_written_already_due_is_read_ahead_at_once() -> None:
         await loop
 
 
+async def test_while_rounds_claim_whole_batches_the_read_ahead_stands_aside() -> None:
+    """A claim of a whole batch means a backlog: the rounds read their own originals and the
+    read ahead stays off the event loop until a claim takes less."""
+    rig = Rig()
+    await rig.start(range(150))  # the redeliverer claims 100 at a time
+    stopping = asyncio.Event()
+    loop = asyncio.create_task(rig.read_ahead.run(stopping))
+    try:
+        await until(lambda: rig.read_ahead.looks >= 1, what="the first look")
+        rig.clock.advance(timedelta(milliseconds=LEASE_MS))
+        assert await rig.redeliverer.run_round() == 100
+        assert rig.read_ahead.standing_aside
+        looks = rig.read_ahead.looks
+        rig.redeliverer.notify_due(rig.now_ms())
+        await until(lambda: rig.read_ahead.looks > looks, what="a look that stands aside")
+        assert rig.held.held == 0, "nothing read ahead during the backlog"
+        assert await rig.redeliverer.run_round() == 50
+        assert not rig.read_ahead.standing_aside, "caught up"
+        assert len(rig.source.asked) == 150, "each original read once, by its round"
+
+        await rig.start([200])
+        rig.clock.advance(timedelta(milliseconds=LEASE_MS))
+        rig.redeliverer.notify_due(rig.now_ms())
+        await until(lambda: rig.held.held == 1, what="read ahead again once caught up")
+        assert rig.source.asked[-1] == at(200)
+    finally:
+        stopping.set()
+        await loop
+
+
 async def test_partitions_taken_over_are_looked_at_at_once() -> None:
     rig = Rig()  # owns nothing yet
     stopping = asyncio.Event()

@@ -184,8 +184,29 @@ class ReadAhead:
         #: earlier one sends the next look back for it
         self._looked_to_ms: int | None = None
         self._rewind_to_ms: int | None = None
-        #: looks at the store so far (tests wait on it)
+        #: the rounds' last claim took a whole batch: they work through a backlog
+        self._rounds_behind = False
+        #: looks so far, those that stood aside for a backlog included (tests wait on it)
         self.looks = 0
+
+    @property
+    def standing_aside(self) -> bool:
+        return self._rounds_behind
+
+    def rounds_behind(self, behind: bool) -> None:
+        """The rounds' last claim took a whole batch (``behind``: more is due than a round
+        takes) or less.
+
+        Behind, the rounds are busy on a backlog of due messages: each round reads the
+        originals it claimed, and a read ahead would only take the event loop from them (in
+        a burst of 100k it cost a tenth of redelivery's CPU and served 2 % of the reads).
+        So it stands aside until a claim takes less than a batch; what fell due meanwhile is
+        the backlog's, left to the rounds.
+        """
+        caught_up = self._rounds_behind and not behind
+        self._rounds_behind = behind
+        if caught_up:
+            self._wake.set()
 
     def notify_due(self, due_ms: int) -> None:
         """Ingest wrote an entry due at ``due_ms``: look at it then, if sooner than planned.
@@ -219,9 +240,16 @@ class ReadAhead:
             self._wake.clear()
             rewind, self._rewind_to_ms = self._rewind_to_ms, None
             try:
-                if rewind is not None and rewind < after_ms:
-                    await self._look_back(rewind, after_ms)
-                after_ms, delay = await self._look(after_ms)
+                if self._rounds_behind:
+                    # A backlog: what fell due is the rounds' (see rounds_behind); looked at
+                    # again once they catch up, which wakes this loop.
+                    after_ms = self._looked_to_ms = to_millis(self._clock.now())
+                    delay = self._max_idle
+                    self.looks += 1
+                else:
+                    if rewind is not None and rewind < after_ms:
+                        await self._look_back(rewind, after_ms)
+                    after_ms, delay = await self._look(after_ms)
                 backoff = 0.5
             except StoreUnavailable as exc:
                 log.debug("read ahead paused, store unavailable: %s", exc)

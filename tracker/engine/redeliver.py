@@ -290,7 +290,10 @@ class Redeliverer:
         if fenced:
             log.warning("redelivery fenced out of markers partitions %s", sorted(fenced))
             self._metrics.fenced.inc()
-        if not claimed and not claim.ranges:
+        taken = len(claimed) + sum(t.open_count for t in claim.ranges)
+        if self._read_ahead is not None:  # a whole batch: a backlog, which rounds read alone
+            self._read_ahead.rounds_behind(taken >= self._batch)
+        if not taken:
             return None
         # A message with markers still in the coalescing window (an ACK, say) is decided by
         # them: leave it until they are applied (a range's other offsets go on as a range).
@@ -335,7 +338,7 @@ class Redeliverer:
             later=later,
             partitions={e.markers_partition for e in claimed}
             | {t.markers_partition for t in claim.ranges},
-            full=len(claimed) + sum(t.open_count for t in claim.ranges) >= self._batch,
+            full=taken >= self._batch,
         )
 
     async def _produce(self, claimed: ClaimedRound) -> QueuedRound:
