@@ -195,6 +195,8 @@ def iter_bits(bits: int, base: int = 0) -> Iterator[int]:
     A run of set bits at a time (a range is mostly one run: a batch with a few offsets
     settled or left out), each as a ``range``: no big-int operation per offset.
     """
+    if bits < 0:  # infinitely many set bits: would never end
+        raise ValueError(f"a bitmask cannot be negative: {bits}")
     while bits:
         zeros = (bits & -bits).bit_length() - 1
         bits >>= zeros

@@ -228,6 +228,7 @@ def redeliverer_without_ingest(
     max_attempts: int,
     read_ahead: ReadAhead | None = None,
     pending: Callable[[Iterable[EntryKey]], set[EntryKey]] = _nothing_pending,
+    metrics: Metrics | None = None,
 ) -> Redeliverer:
     """A redeliverer over markers partition 0 whose safe horizon is the clock (no ingest):
     every entry due by the test's clock may be acted on. ``pending``: the keys with markers
@@ -243,7 +244,7 @@ def redeliverer_without_ingest(
         ),
         policy_for=lambda _topic: policy,
         clock=clock,
-        metrics=Metrics(),
+        metrics=metrics or Metrics(),
         batch=100,
         claim_lease_ms=30_000,
         max_idle=1.0,

@@ -22,6 +22,7 @@ from tracker.domain.entries import EntryKey, State
 from tracker.domain.policy import ResolvedPolicy, TopicPolicy
 from tracker.ids import MessageId
 from tracker.kafka.original_records import Missing, OriginalRecord
+from tracker.metrics import Metrics
 from tracker.protocol import Marker, RangeMarker
 from tracker.store.memory import InMemoryStore
 from tracker.store.port import PartitionProgress, PendingMarker
@@ -54,6 +55,7 @@ class Rig:
         self.epochs: dict[int, int] = {}
         self.pending: set[EntryKey] = set()  #: keys with markers in the coalescing window
         self.markers_offset = 0
+        self.metrics = Metrics()
         self.redeliverer = redeliverer_without_ingest(
             store=self.store,
             producer=self.producer,
@@ -62,6 +64,7 @@ class Rig:
             epochs=lambda: self.epochs,
             max_attempts=max_attempts,
             pending=lambda keys: {k for k in keys if k in self.pending},
+            metrics=self.metrics,
         )
 
     def now_ms(self) -> int:
@@ -215,19 +218,23 @@ async def test_a_range_on_a_topic_of_one_delivery_is_dead_lettered_message_by_me
     assert await rig.store.count_entries() == 0
 
 
-async def test_a_range_offset_with_markers_pending_waits_for_them_alone() -> None:
+@pytest.mark.parametrize("waiting", [{41}, {40, 44}], ids=["inside", "at-both-ends"])
+async def test_range_offsets_with_markers_pending_wait_for_them_alone(waiting: set[int]) -> None:
     rig = Rig()
     await rig.start_range(40, 44)
-    rig.pending = {(GROUP, TOPIC, 0, 41)}  # its SETTLE, say, not yet applied
+    rig.pending = {(GROUP, TOPIC, 0, o) for o in waiting}  # their SETTLE, say, not applied yet
     rig.clock.advance(timedelta(milliseconds=LEASE_MS + 1))
     now = rig.now_ms()
-    assert await rig.redeliverer.run_round() == 4
+    assert await rig.redeliverer.run_round() == 5 - len(waiting)
     origins = [hs[h.ORIGIN] for _, _, hs in rig.producer.logs[TOPIC]]
-    assert origins == [b"orders/0/%d" % o for o in (40, 42, 43, 44)]
-    [entry] = await rig.store.list_entries()
-    assert (entry.origin_offset, entry.state, entry.claim_token) == (41, State.IN_FLIGHT, None)
-    assert entry.due_at_ms is not None
-    assert entry.due_at_ms >= now + 100, "looked at again once its markers are applied"
+    assert origins == [b"orders/0/%d" % o for o in range(40, 45) if o not in waiting]
+    entries = await rig.store.list_entries()
+    assert [e.origin_offset for e in entries] == sorted(waiting)
+    for entry in entries:
+        assert (entry.state, entry.claim_token) == (State.IN_FLIGHT, None)
+        assert entry.due_at_ms is not None
+        assert entry.due_at_ms >= now + 100, "looked at again once its markers are applied"
+    assert rig.metrics.redeliveries.labels(TOPIC)._value.get() == 5 - len(waiting)
 
 
 async def test_a_range_whose_copies_the_broker_refuses_is_put_back_whole() -> None:

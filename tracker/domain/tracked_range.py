@@ -36,7 +36,7 @@ class TrackedRange:
     first_seen_ms: int
     updated_ms: int
     consumer: str
-    #: set while a redelivery round republishes the range's offsets (``claim_due``); kept by
+    #: set while a redelivery round republishes the range's offsets (``claim_due_ranges``); kept by
     #: every piece the range is split into, as v1 keeps an entry's token through an EXTEND
     claim_token: str | None = None
 

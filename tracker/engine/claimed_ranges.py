@@ -7,10 +7,11 @@ partition, attempt, due time and first sighting for every offset in it. So the p
 shares are built once, and the outcome is counted once; what is left per offset is what
 differs (the record read back, its origin header, its ticket in the batch) and the offsets
 that diverge: an original that is gone (lost), one that cannot be read now or a send that
-failed (put back), a marker still in the coalescing window. Only those become
-:class:`~tracker.domain.entries.Entry` values, the per-message form the rest of the round
-knows. This is the share-group idea (KIP-932's ``SharePartition``): state per batch, split
-per offset only on divergence.
+failed (put back), a marker still in the coalescing window, a topic that allows one delivery
+(dead letters are rows of their own). Only those are named per message: by their entry key
+(put back, waiting), or as :class:`~tracker.domain.entries.Entry` values where the round's
+per-message path takes them (lost, dead-lettered). This is the share-group idea (KIP-932's
+``SharePartition``): state per batch, split per offset only on divergence.
 """
 
 from __future__ import annotations

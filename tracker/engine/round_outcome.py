@@ -96,7 +96,8 @@ def tally_round(queued: QueuedRound, metrics: Metrics, *, observed: bool) -> Rou
             if observed:
                 entry = tracked_range.entry_at(offset)
                 tally.events.append(TrackerEvent("redelivered", entry, sent.detail))
-        counted[metrics.redeliveries, topic] += copied
+        if copied:
+            counted[metrics.redeliveries, topic] += copied
     for target, error in failed.items():  # one line per topic, not one per record
         log.warning("producing to %s failed (retried later): %r", target, error)
         metrics.redelivery_errors.labels("produce").inc()

@@ -45,8 +45,9 @@ class PartitionRead:
     ) -> None:
         """Keep the wanted ones among fetched ``records`` (others are read through a gap).
 
-        aiokafka's headers are a list of ``(key, value)`` tuples: kept as a tuple of them, as
-        they are (a generator rebuilding each pair cost a third of this loop)."""
+        aiokafka's headers are a sequence of ``(key, value)`` tuples (a tuple already, from
+        its fetcher): kept as they are (a generator rebuilding each pair cost a third of
+        this loop)."""
         topic, partition, wanted = self.tp.topic, self.tp.partition, self.wanted
         for record in records:
             offset = record.offset

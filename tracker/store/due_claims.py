@@ -302,7 +302,8 @@ class DueClaims(PartitionOwnership):
         on it, and :meth:`finish_redelivery` deletes it once its copies are out. Only offsets
         the round does not finish (lost, put back) become entries of their own. Returned: the
         claimed pieces as they were (due time), with the token; the round copies each offset
-        (a record with its own origin) but plans and tallies the range once. The range that
+        (a record with its own origin) but plans and tallies the range once
+        (``tracker.engine.claimed_ranges``). The range that
         would cross ``share`` is split (``take_due_ranges``): a claim of 1,000 must not take a
         range of 65,536 offsets into one round.
         """

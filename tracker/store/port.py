@@ -14,7 +14,7 @@ all three backends: what it asserts is what any store must do.
 
 The rules every adapter keeps: each call is atomic (all of it or nothing); a call for markers
 partitions whose epoch moved on raises :class:`~tracker.store.store_errors.Fenced` (``apply``) or
-reports them (``claim_due``) and changes nothing there; a backend that is unreachable raises
+reports them (``claim_due_ranges``) and changes nothing there; a backend that is unreachable raises
 :class:`~tracker.store.store_errors.StoreUnavailable`.
 """
 
@@ -182,7 +182,9 @@ class TrackerStore(Protocol):
     ) -> None:
         """Record a round's outcome: ``done`` and dead-lettered entries go, ``lost`` ones are
         kept as lost, ``retry`` ones are due again then, each only if still claimed with
-        ``token``; every dead letter is recorded (its DLQ record was produced)."""
+        ``token``; every dead letter is recorded (its DLQ record was produced). The ranges
+        claimed with ``token`` go; their offsets named in none of these (nor settled by
+        markers since) become entries of their own, due when the claim's lease ends."""
         ...
 
     async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
