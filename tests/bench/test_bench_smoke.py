@@ -85,6 +85,7 @@ def test_every_scenario_runs_and_reports(kafka_bootstrap: str, tmp_path: Path) -
     assert "| scenario | figure | value | target | result |" in text
     if plotting:
         plots = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
-        assert plots == sorted(f"{name}.png" for name in EXPECTED)
+        # Scenario 7 (delayed backlog) reports its figures as a table only.
+        assert plots == sorted(f"{name}.png" for name in EXPECTED - {"delayed_backlog"})
     # Every scenario prints its figures with the verdict.
     assert "[PASS]" in completed.stdout or "[MISS]" in completed.stdout
