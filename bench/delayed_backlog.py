@@ -165,7 +165,7 @@ class BacklogSeeder:
                 raise AssertionError("the seeded backlog has no due time")
             now_ms = to_millis(SystemClock().now())
             watch = Stopwatch()
-            claimed, fenced = await self.store.claim_due(
+            claim = await self.store.claim_due_ranges(
                 self.markers,
                 epochs=self.epochs,
                 due_by=dict.fromkeys(range(PARTITIONS), now_ms),
@@ -174,6 +174,7 @@ class BacklogSeeder:
                 lease_ms=60_000,
                 token=f"bench-{rep}",
             )
+            claimed, fenced = claim.expanded(), claim.fenced
             claims.append(watch.seconds * 1000)
             if claimed or fenced:
                 raise AssertionError(f"claimed {len(claimed)} (fenced {fenced}): nothing is due")

@@ -5,7 +5,7 @@ falls due while the tracker runs), growing through ``sizes``. At each size:
 
 * **ingest**: ``Store.apply`` of 1,000 STARTs of new messages + 1,000 ACKs of tracked ones
   (the table size stays put), per marker;
-* **due-scan**: ``Store.next_due_ms`` over the 8 partitions, and ``Store.claim_due`` of 1,000
+* **due-scan**: ``Store.next_due_ms`` over the 8 partitions, and ``Store.claim_due_ranges`` of 1,000
   due entries (the claimed ones move out of the due range, so repeats claim others);
 * **API**: a tracker replica with its admin API and web console on uvicorn runs as a subprocess
   on the store;
@@ -108,7 +108,7 @@ class Seeder:
         self.epochs: dict[int, int] = {}
 
     async def load_epochs(self) -> None:
-        """The epochs of the running tracker replica (claim_due is fenced by them)."""
+        """The epochs of the running tracker replica (claims are fenced by them)."""
         offsets = await self.store.partition_offsets(self.markers_topic)
         self.epochs = {p: epoch for p, (epoch, _) in offsets.items()}
 
@@ -158,7 +158,7 @@ class Seeder:
         await self.store.next_due_ms(range(PARTITIONS))
         next_due = watch.seconds
         watch = Stopwatch()
-        claimed, _ = await self.store.claim_due(
+        claim = await self.store.claim_due_ranges(
             self.markers_topic,
             epochs=self.epochs,
             due_by=dict.fromkeys(range(PARTITIONS), far),
@@ -167,6 +167,7 @@ class Seeder:
             lease_ms=DAY_MS * 365,
             token=unique("bench"),
         )
+        claimed, _ = claim.expanded(), claim.fenced
         return next_due, watch.seconds, len(claimed)
 
 

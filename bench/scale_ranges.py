@@ -11,8 +11,9 @@ due while it runs) and at each size measures, as scenario 4 does for per-message
   backlog stays in flight. Settling the *oldest* batches instead would hit, from the second size
   on, the ranges the previous size's claims had already expanded into per-message entries, and
   compare two different paths rather than two sizes;
-* **due-scan**: ``Store.next_due_ms`` over the 8 partitions, and ``Store.claim_due`` of 1,000
-  messages (it expands due ranges into per-message entries and splits them out of the range);
+* **due-scan**: ``Store.next_due_ms`` over the 8 partitions, and ``Store.claim_due_ranges`` of
+  1,000 messages with the claimed ranges expanded into per-message entries (as the committed
+  figures were measured; a redelivery round no longer expands them);
 * **API**: a tracker replica with its admin API as a subprocess on the store: the message
   listings (key order, in-flight by due) and the topic stats, sequential, median latency, and
   the process's RSS, which must not grow with the messages in flight.
@@ -119,7 +120,7 @@ class RangeSeeder:
         await self.store.next_due_ms(range(PARTITIONS))
         next_due = watch.seconds
         watch = Stopwatch()
-        claimed, _ = await self.store.claim_due(
+        claim = await self.store.claim_due_ranges(
             self.markers_topic,
             epochs=self.epochs,
             due_by=dict.fromkeys(range(PARTITIONS), far),
@@ -128,6 +129,7 @@ class RangeSeeder:
             lease_ms=DAY_MS * 365,
             token=unique("bench"),
         )
+        claimed, _ = claim.expanded(), claim.fenced
         return next_due, watch.seconds, len(claimed)
 
 

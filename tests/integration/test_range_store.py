@@ -221,7 +221,7 @@ def test_an_open_range_is_one_row_until_its_round_is_recorded(database_url: str)
             assert (tracked_range.base_offset, tracked_range.open_count) == (0, 2)
             assert await store.count_entries() == 2
             assert await store.next_due_ms([0]) == 1_000
-            claimed, _ = await store.claim_due(
+            claim = await store.claim_due_ranges(
                 MARKERS,
                 epochs={0: epoch},
                 due_by={0: 1_000},
@@ -230,6 +230,7 @@ def test_an_open_range_is_one_row_until_its_round_is_recorded(database_url: str)
                 lease_ms=10_000,
                 token=TOKEN,
             )
+            claimed, _ = claim.expanded(), claim.fenced
             assert sorted(e.origin_offset for e in claimed) == [0, 2]
             assert {(e.claim_token, e.due_at_ms) for e in claimed} == {(TOKEN, 1_000)}
             [claimed_range] = await store.list_ranges()
@@ -280,7 +281,7 @@ def test_a_claim_takes_only_as_many_offsets_of_due_ranges_as_its_batch(database_
                 for i in range(5)
             ]
             await store.apply(MARKERS, {0: PartitionProgress(epoch, 5)}, starts, policy, 0)
-            claimed, _ = await store.claim_due(
+            claim = await store.claim_due_ranges(
                 MARKERS,
                 epochs={0: epoch},
                 due_by={0: 10_000},
@@ -289,6 +290,7 @@ def test_a_claim_takes_only_as_many_offsets_of_due_ranges_as_its_batch(database_
                 lease_ms=10_000,
                 token=TOKEN,
             )
+            claimed, _ = claim.expanded(), claim.fenced
             # The earliest due first: all of range 0, then the lowest 50 offsets of range 1,
             # split off as a claimed range of its own.
             assert sorted(e.origin_offset for e in claimed) == list(range(150))
@@ -303,7 +305,7 @@ def test_a_claim_takes_only_as_many_offsets_of_due_ranges_as_its_batch(database_
             }
             assert await store.count_entries() == 500
             await assert_counters_match(store.engine)
-            claimed, _ = await store.claim_due(
+            claim = await store.claim_due_ranges(
                 MARKERS,
                 epochs={0: epoch},
                 due_by={0: 10_000},
@@ -312,6 +314,7 @@ def test_a_claim_takes_only_as_many_offsets_of_due_ranges_as_its_batch(database_
                 lease_ms=10_000,
                 token=ROUND_2,
             )
+            claimed, _ = claim.expanded(), claim.fenced
             assert sorted(e.origin_offset for e in claimed) == list(range(150, 500))
             await store.finish_redelivery(
                 ROUND_2,

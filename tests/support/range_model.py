@@ -183,7 +183,7 @@ async def check_store_against_model(
     # Redelivery: what is due by ``due_at`` is claimed, exactly as v1 entries would be.
     expected = reference(steps)
     due = {o: e for o, e in expected.items() if e.due_at_ms is not None and e.due_at_ms <= due_at}
-    claimed, fenced = await store.claim_due(
+    claim = await store.claim_due_ranges(
         MARKERS,
         epochs={MARKERS_PARTITION: epoch},
         due_by={MARKERS_PARTITION: due_at},
@@ -192,6 +192,7 @@ async def check_store_against_model(
         lease_ms=60_000,
         token=TOKEN,
     )
+    claimed, fenced = claim.expanded(), claim.fenced
     assert fenced == set()
     got: dict[int, Entry] = {e.origin_offset: e for e in claimed}
     assert got == {o: _claimed(e) for o, e in due.items()}, (

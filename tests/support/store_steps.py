@@ -104,9 +104,10 @@ async def claim_due(
     limit: int = 10,
     lease_ms: int = 5_000,
 ) -> tuple[list[Entry], set[int]]:
-    """``store.claim_due`` with the claim token ``claim_id``; by default every partition of
-    ``epochs`` is searched up to ``now_ms``."""
-    return await store.claim_due(
+    """``store.claim_due_ranges`` with the claim token ``claim_id``, every claimed message as
+    an entry (ranges' offsets first); by default every partition of ``epochs`` is searched up
+    to ``now_ms``."""
+    claim = await store.claim_due_ranges(
         MARKERS,
         epochs=epochs,
         due_by=dict.fromkeys(epochs, now_ms) if due_by is None else due_by,
@@ -115,3 +116,4 @@ async def claim_due(
         lease_ms=lease_ms,
         token=claim_id,
     )
+    return claim.expanded(), claim.fenced

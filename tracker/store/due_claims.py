@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import and_, delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tracker.domain.entries import Entry, EntryKey, State
+from tracker.domain.entries import EntryKey, State
 from tracker.domain.range_claims import DueClaim, range_copies, share_of_batch, take_due_ranges
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 from tracker.ids import MessageId
@@ -142,29 +142,6 @@ class DueClaims(PartitionOwnership):
         found += range_copies(due_ranges, limit)
         found.sort()
         return found[:limit]
-
-    async def claim_due(
-        self,
-        markers_topic: str,
-        *,
-        epochs: dict[int, int],
-        due_by: dict[int, int],
-        now_ms: int,
-        limit: int,
-        lease_ms: int,
-        token: str,
-    ) -> tuple[list[Entry], set[int]]:
-        """:meth:`claim_due_ranges` with every claimed message as an entry."""
-        claim = await self.claim_due_ranges(
-            markers_topic,
-            epochs=epochs,
-            due_by=due_by,
-            now_ms=now_ms,
-            limit=limit,
-            lease_ms=lease_ms,
-            token=token,
-        )
-        return claim.expanded(), claim.fenced
 
     async def claim_due_ranges(
         self,

@@ -256,28 +256,6 @@ class InMemoryStore:
         found.sort()
         return found[: max(0, limit)]
 
-    async def claim_due(
-        self,
-        markers_topic: str,
-        *,
-        epochs: dict[int, int],
-        due_by: dict[int, int],
-        now_ms: int,
-        limit: int,
-        lease_ms: int,
-        token: str,
-    ) -> tuple[list[Entry], set[int]]:
-        claim = await self.claim_due_ranges(
-            markers_topic,
-            epochs=epochs,
-            due_by=due_by,
-            now_ms=now_ms,
-            limit=limit,
-            lease_ms=lease_ms,
-            token=token,
-        )
-        return claim.expanded(), claim.fenced
-
     async def claim_due_ranges(
         self,
         markers_topic: str,

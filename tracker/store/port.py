@@ -135,21 +135,6 @@ class TrackerStore(Protocol):
         ahead while ``ack_grace`` runs (``tracker.engine.read_ahead``). Reads only."""
         ...
 
-    async def claim_due(
-        self,
-        markers_topic: str,
-        *,
-        epochs: dict[int, int],
-        due_by: dict[int, int],
-        now_ms: int,
-        limit: int,
-        lease_ms: int,
-        token: str,
-    ) -> tuple[list[Entry], set[int]]:
-        """:meth:`claim_due_ranges`, every claimed message as an entry (ranges' offsets
-        first): for callers that act per message."""
-        ...
-
     async def claim_due_ranges(
         self,
         markers_topic: str,
