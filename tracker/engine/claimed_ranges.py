@@ -44,6 +44,28 @@ def offset_keys(tracked_range: TrackedRange) -> list[EntryKey]:
     return [(*lane, offset) for offset in tracked_range.offsets()]
 
 
+def hold_back(
+    ranges: list[TrackedRange],
+    range_keys: list[list[EntryKey]],
+    waiting: set[EntryKey],
+    not_before_ms: int,
+    later: list[tuple[EntryKey, int]],
+) -> list[TrackedRange]:
+    """``ranges`` without their offsets in ``waiting`` (markers still in the coalescing
+    window decide them), which go to ``later``, due again at ``not_before_ms`` at the
+    earliest. ``range_keys``: each range's :func:`offset_keys`."""
+    kept: list[TrackedRange] = []
+    for tracked_range, keys in zip(ranges, range_keys, strict=True):
+        rest = tracked_range.open_bits
+        for key in keys:
+            if key in waiting:
+                later.append((key, max(tracked_range.due_at_ms, not_before_ms)))
+                rest &= ~(1 << (key[3] - tracked_range.base_offset))
+        if rest:
+            kept.append(tracked_range.piece(rest))
+    return kept
+
+
 def split_by_plan(
     ranges: list[TrackedRange], policy_for: Callable[[str], TopicPolicy]
 ) -> tuple[list[tuple[TrackedRange, Plan]], list[Entry]]:

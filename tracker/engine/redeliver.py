@@ -29,6 +29,7 @@ from tracker.clock import Clock, to_millis
 from tracker.domain.entries import Entry, EntryKey
 from tracker.domain.policy import TopicPolicy
 from tracker.engine.claimed_ranges import (
+    hold_back,
     offset_keys,
     queue_range_copies,
     range_positions,
@@ -309,18 +310,9 @@ class Redeliverer:
         ]
         ranges = claim.ranges
         if waiting:
-            ranges = []
-            for tracked_range, keys in zip(claim.ranges, range_keys, strict=True):
-                held = [key for key in keys if key in waiting]
-                later += [
-                    (key, max(tracked_range.due_at_ms, now_ms + WAIT_FOR_PENDING_MS))
-                    for key in held
-                ]
-                rest = tracked_range.open_bits
-                for key in held:
-                    rest &= ~(1 << (key[3] - tracked_range.base_offset))
-                if rest:
-                    ranges.append(tracked_range.piece(rest))
+            ranges = hold_back(
+                claim.ranges, range_keys, waiting, now_ms + WAIT_FOR_PENDING_MS, later
+            )
         lateness = self._metrics.redelivery_lateness
         for entry in entries:
             if entry.due_at_ms is not None:

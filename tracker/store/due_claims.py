@@ -280,9 +280,9 @@ class DueClaims(PartitionOwnership):
         the round does not finish (lost, put back) become entries of their own. Returned: the
         claimed pieces as they were (due time), with the token; the round copies each offset
         (a record with its own origin) but plans and tallies the range once
-        (``tracker.engine.claimed_ranges``). The range that
-        would cross ``share`` is split (``take_due_ranges``): a claim of 1,000 must not take a
-        range of 65,536 offsets into one round.
+        (``tracker.engine.claimed_ranges``). The range that would cross ``share`` is split
+        (``take_due_ranges``): a claim of 1,000 must not take a range of 65,536 offsets into
+        one round.
         """
         taken = take_due_ranges(candidates, share, token=token, claimed_due=claimed_due)
         if taken.written:
