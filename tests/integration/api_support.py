@@ -190,7 +190,7 @@ async def insert_entries(context: ApiContext, entries: Sequence[Entry]) -> None:
         counts.change(None, e)
     async with context.store.engine.begin() as conn:
         await conn.execute(tracked.insert(), rows)
-        await counts.write(conn, context.store.engine, tracked_counts)
+        await counts.write(conn, tracked_counts)
 
 
 async def insert_dead_letters(context: ApiContext, rows: Sequence[dict[str, Any]]) -> list[int]:

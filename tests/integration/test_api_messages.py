@@ -531,7 +531,7 @@ async def test_an_action_waits_for_a_marker_flush_of_its_partition(env: ApiEnv) 
             counts = CountChanges()  # as the store's flush counts it
             counts.add((2, "orders", "billing", State.IN_FLIGHT.value), -1)
             counts.add((2, "orders", "billing", State.DELAYED.value), 1)
-            await counts.write(conn, other, tracked_counts)
+            await counts.write(conn, tracked_counts)
             flush_started.set()
             await release.wait()
 

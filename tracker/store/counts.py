@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from sqlalchemy import Table, delete, func, select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry
 
@@ -34,6 +34,8 @@ from .dialects import add_to_counters
 
 #: (markers partition, origin topic, consumer group, state)
 CountKey = tuple[int, str, str, str]
+#: A counter row's columns: its key (:data:`CountKey`), then the count.
+COUNT_ROW = ("markers_partition", "origin_topic", "group_id", "state", "entries")
 
 
 class CountChanges:
@@ -58,16 +60,11 @@ class CountChanges:
         if new is not None:
             self.add(new, 1)
 
-    async def write(self, conn: AsyncConnection, engine: AsyncEngine, table: Table) -> None:
+    async def write(self, conn: AsyncConnection, table: Table) -> None:
         """Add the deltas to ``table`` (in key order: PostgreSQL locks rows in that order)."""
-        rows = [
-            {"markers_partition": p, "origin_topic": t, "group_id": g, "state": s, "entries": n}
-            for (p, t, g, s), n in sorted(self._deltas.items())
-            if n
-        ]
+        rows = [(*key, n) for key, n in sorted(self._deltas.items()) if n]
         self._deltas.clear()
-        if rows:
-            await conn.execute(add_to_counters(engine, table, ["entries"], rows))
+        await add_to_counters(conn, table, COUNT_ROW, ["entries"], rows)
 
 
 def _key(entry: Entry) -> CountKey:
@@ -81,7 +78,6 @@ async def recount(
     partitions: Iterable[int],
     *,
     ranges: Table | None = None,
-    engine: AsyncEngine | None = None,
 ) -> None:
     """Set the counters of ``partitions`` to a count of their entries.
 
@@ -106,7 +102,7 @@ async def recount(
             ["markers_partition", "origin_topic", "group_id", "state", "entries"], counted
         )
     )
-    if ranges is None or engine is None:
+    if ranges is None:
         return
     r = ranges.c
     summed = await conn.execute(
@@ -114,16 +110,5 @@ async def recount(
         .where(r.markers_partition.in_(owned))
         .group_by(r.markers_partition, r.origin_topic, r.group_id)
     )
-    rows = [
-        {
-            "markers_partition": p,
-            "origin_topic": t,
-            "group_id": g,
-            "state": "in_flight",
-            "entries": int(n),
-        }
-        for p, t, g, n in summed
-        if n
-    ]
-    if rows:
-        await conn.execute(add_to_counters(engine, counts, ["entries"], rows))
+    rows = [(p, t, g, "in_flight", int(n)) for p, t, g, n in summed if n]
+    await add_to_counters(conn, counts, COUNT_ROW, ["entries"], rows)

@@ -42,7 +42,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Dialect, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.sql import Select
-from sqlalchemy.sql.dml import Insert, Update
+from sqlalchemy.sql.dml import Delete, Insert, Update
 from sqlalchemy.types import TypeEngine
 
 from .store_errors import StoreUnavailable
@@ -345,20 +345,53 @@ def _unnest_upsert_sql(
     )
 
 
-def add_to_counters(
-    engine: AsyncEngine, table: Table, counters: Sequence[str], rows: Sequence[dict[str, Any]]
-) -> Insert:
-    """``INSERT rows ... ON CONFLICT (primary key) DO UPDATE SET c = c + excluded.c`` for each
-    column in ``counters``: rows of deltas added to the counters (created at the delta)."""
-    keys = [c.name for c in table.primary_key.columns]
-    if is_sqlite(engine):
-        sqlite_stmt = sqlite_insert(table).values(list(rows))
-        return sqlite_stmt.on_conflict_do_update(
-            index_elements=keys, set_={c: table.c[c] + sqlite_stmt.excluded[c] for c in counters}
+async def add_to_counters(
+    conn: AsyncConnection,
+    table: Table,
+    columns: Sequence[str],
+    counters: Sequence[str],
+    rows: Sequence[tuple[Any, ...]],
+) -> None:
+    """Add rows of deltas (tuples of ``columns``' values, distinct keys, in the order their
+    rows should be locked) to the ``counters`` columns of ``table``; a missing row is created
+    at the delta: ``INSERT ... ON CONFLICT (primary key) DO UPDATE SET c = c + excluded.c``.
+
+    Every ingest flush and every redelivery round writes its counter deltas: one statement
+    built once (:func:`_counters_sql`) and handed to the driver with plain tuples, as
+    :func:`upsert_rows` does (a multi-row statement built per call was a sixth of a round's
+    record).
+    """
+    if not rows:
+        return
+    sql = _counters_sql(conn.dialect, table, tuple(columns), tuple(counters))
+    if conn.dialect.name == "sqlite":
+        await conn.exec_driver_sql(sql, list(rows))
+        return
+    await conn.exec_driver_sql(sql, tuple(list(values) for values in zip(*rows, strict=True)))
+
+
+@functools.lru_cache(maxsize=16)
+def _counters_sql(
+    dialect: Dialect, table: Table, columns: tuple[str, ...], counters: tuple[str, ...]
+) -> str:
+    """:func:`add_to_counters`'s statement: one row of ``?`` parameters (SQLite, run per row
+    by ``executemany``), or every row at once as one array per column (PostgreSQL)."""
+    # Every name comes from the schema (the models), quoted; values are parameters.
+    quote = dialect.identifier_preparer.quote
+    name = quote(table.name)
+    keys = ", ".join(quote(c.name) for c in table.primary_key.columns)
+    added = ", ".join(f"{quote(c)} = {name}.{quote(c)} + excluded.{quote(c)}" for c in counters)
+    if dialect.name == "sqlite":
+        rows = f"VALUES ({', '.join('?' for _ in columns)})"
+    else:
+        arrays = ", ".join(
+            f"${i}::{_array_element_type(table.c[c].type, dialect)}[]"
+            for i, c in enumerate(columns, 1)
         )
-    pg_stmt = pg_insert(table).values(list(rows))
-    return pg_stmt.on_conflict_do_update(
-        index_elements=keys, set_={c: table.c[c] + pg_stmt.excluded[c] for c in counters}
+        rows = f"SELECT * FROM unnest({arrays})"  # noqa: S608
+    return (
+        f"INSERT INTO {name} ({', '.join(quote(c) for c in columns)}) {rows}"
+        f" ON CONFLICT ({keys}) DO UPDATE SET {added}"
     )
 
 
@@ -419,7 +452,7 @@ def _pg_keys_in(
 
 
 async def driver_rows(
-    conn: AsyncConnection, stmt: Select[Any] | Update, params: dict[str, Any]
+    conn: AsyncConnection, stmt: Select[Any] | Update | Delete, params: dict[str, Any]
 ) -> list[Sequence[Any]]:
     """Run ``stmt`` on the driver itself; the rows as the driver returns them.
 
@@ -445,7 +478,7 @@ async def driver_rows(
 
 @functools.lru_cache(maxsize=64)
 def _driver_sql(
-    dialect: Dialect, stmt: Select[Any] | Update
+    dialect: Dialect, stmt: Select[Any] | Update | Delete
 ) -> tuple[str, tuple[str, ...], dict[str, Any]]:
     """The driver's SQL for ``stmt``, its parameters' names in positional order and the
     values of those the statement sets itself (literals SQLAlchemy turned into parameters)."""

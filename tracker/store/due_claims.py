@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import and_, delete, or_, select, true, tuple_, update
+from sqlalchemy import delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import EntryKey, State
@@ -30,6 +30,7 @@ from .dialects import (
     upsert_rows,
 )
 from .due_queries import (
+    CLAIMED_RANGES_DELETE,
     DUE_AT,
     DUE_QUERY_PARTITIONS,
     ENTRY_WIDTH,
@@ -37,6 +38,7 @@ from .due_queries import (
     claim_query,
     due_order,
     due_query,
+    due_ranges_query,
     due_times_query,
 )
 from .ownership import PartitionOwnership
@@ -251,16 +253,9 @@ class DueClaims(PartitionOwnership):
         self, conn: AsyncConnection, groups: Sequence[Sequence[tuple[int, int]]], limit: int
     ) -> list[TrackedRange]:
         """The earliest due tracked ranges, ``limit`` of them at most, in due order."""
-        r = ranges_table.c
-        columns = [r[name] for name in RANGE_COLUMN_NAMES]
         candidates: list[TrackedRange] = []
         for group in groups:
-            rows = await conn.execute(
-                select(*columns)
-                .where(or_(*(and_(r.markers_partition == p, r.due_at_ms <= t) for p, t in group)))
-                .order_by(r.due_at_ms)
-                .limit(limit)
-            )
+            rows = await driver_rows(conn, due_ranges_query(len(group)), _due_params(group, limit))
             candidates += [TrackedRange.from_row(row) for row in rows]
         return sorted(candidates, key=lambda t: (t.due_at_ms, t.key))[:limit]
 
@@ -310,11 +305,7 @@ class DueClaims(PartitionOwnership):
         range or in an entry, never both), so a round of range copies costs one statement
         here, not a keyed delete per copy.
         """
-        gone = await conn.execute(
-            delete(ranges_table)
-            .where(ranges_table.c.claim_token == token)
-            .returning(*(ranges_table.c[name] for name in RANGE_COLUMN_NAMES))
-        )
+        gone = await driver_rows(conn, CLAIMED_RANGES_DELETE, {"token": token})
         finished_at: dict[tuple[str, str, int], set[int]] = {}
         for group, topic, partition, offset in finished:
             finished_at.setdefault((group, topic, partition), set()).add(offset)
@@ -365,14 +356,7 @@ class DueClaims(PartitionOwnership):
         whose victim, if it is this record, leaves copies out and entries claimed).
         """
         async with self.transaction() as conn:
-            await lock_rows_in_order(
-                conn,
-                select(partitions_table.c.partition).where(
-                    partitions_table.c.markers_topic == markers_topic,
-                    partitions_table.c.partition.in_(sorted(set(partitions))),
-                ),
-                partitions_table.c.partition,
-            )
+            await self._lock_partitions(conn, markers_topic, partitions)
             counts = CountChanges()
             finished = sorted([*done, *(d.entry.key for d in dead)])
             entries_finished = await self._dissolve_claimed_ranges(conn, token, finished, counts)
@@ -410,7 +394,7 @@ class DueClaims(PartitionOwnership):
                 for row_chunk in chunks(rows, max_bind_rows(self.engine, 17)):
                     await conn.execute(dead_letters.insert().values(list(row_chunk)))
             await self._mark_lost(conn, sorted(lost), now_ms, counts, token=token)
-            await counts.write(conn, self.engine, tracked_counts)
+            await counts.write(conn, tracked_counts)
             for key, due_ms in sorted(retry):
                 await conn.execute(
                     update(tracked)
@@ -442,7 +426,7 @@ class DueClaims(PartitionOwnership):
             )
             counts = CountChanges()
             await self._mark_lost(conn, sorted(items), now_ms, counts)
-            await counts.write(conn, self.engine, tracked_counts)
+            await counts.write(conn, tracked_counts)
 
     async def _mark_lost(
         self,

@@ -14,16 +14,21 @@ from sqlalchemy import (
     Select,
     String,
     Subquery,
+    and_,
     bindparam,
+    delete,
+    or_,
     select,
     tuple_,
     union_all,
     update,
 )
-from sqlalchemy.sql.dml import Update
+from sqlalchemy.sql.dml import ReturningDelete, Update
+
+from tracker.domain.tracked_range import RANGE_COLUMN_NAMES
 
 from .dialects import rowid_column
-from .tables import ENTRY_COLUMN_NAMES, KEY_COLUMNS, tracked
+from .tables import ENTRY_COLUMN_NAMES, KEY_COLUMNS, ranges_table, tracked
 
 ENTRY_WIDTH = len(ENTRY_COLUMN_NAMES)
 DUE_AT = ENTRY_COLUMN_NAMES.index("due_at_ms")
@@ -96,6 +101,36 @@ def due_times_query(partitions: int) -> Select[Any]:
         .order_by(merged.c.due_at_ms)
         .limit(bindparam("limit", type_=Integer))
     )
+
+
+@functools.cache
+def due_ranges_query(partitions: int) -> Select[Any]:
+    """The earliest ``:limit`` tracked ranges due in ``partitions`` markers partitions
+    (:data:`RANGE_COLUMN_NAMES`, in due order; the parameters of :func:`due_query`). Ranges
+    are few (one row per fetched batch), so one index scan over an OR of partitions serves."""
+    r = ranges_table.c
+    due = [
+        and_(
+            r.markers_partition == bindparam(f"p{i}", type_=Integer),
+            r.due_at_ms <= bindparam(f"t{i}", type_=BigInteger),
+        )
+        for i in range(partitions)
+    ]
+    return (
+        select(*(r[name] for name in RANGE_COLUMN_NAMES))
+        .where(or_(*due))
+        .order_by(r.due_at_ms)
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+#: Deletes the ranges claimed with ``:token``, returning them (:data:`RANGE_COLUMN_NAMES`):
+#: a redelivery round's record, once its copies are out.
+CLAIMED_RANGES_DELETE: ReturningDelete[Any] = (
+    delete(ranges_table)
+    .where(ranges_table.c.claim_token == bindparam("token", type_=String))
+    .returning(*(ranges_table.c[name] for name in RANGE_COLUMN_NAMES))
+)
 
 
 def _earliest_per_partition(partitions: int, columns: Sequence[Any]) -> Subquery:

@@ -167,7 +167,7 @@ class MarkerApply(PartitionOwnership):
                     earliest = due
             result.earliest_due_ms = earliest
             await self._write_folded(conn, upserts, deletes, range_upserts, range_deletes)
-            await counts.write(conn, self.engine, tracked_counts)
+            await counts.write(conn, tracked_counts)
             result.upserted = len(upserts) + len(range_upserts)
             result.deleted = len(deletes) + len(range_deletes)
         return result

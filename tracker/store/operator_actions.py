@@ -166,7 +166,7 @@ class OperatorActions(AdminQueries):
                     await conn.execute(update(tracked).where(where).values(**decision.changes))
                     if "state" in decision.changes:
                         counts.change(entry, replace(entry, state=State(decision.changes["state"])))
-                await counts.write(conn, self.store.engine, tracked_counts)
+                await counts.write(conn, tracked_counts)
                 if not decision.delete:
                     changes = decision.changes or {}
                     state_after = changes.get("state", entry.state.value)

@@ -10,17 +10,48 @@ replica whose epoch moved on gets :class:`~tracker.store.store_errors.Fenced`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import and_, select, tuple_, update
+from sqlalchemy import BigInteger, Integer, String, and_, bindparam, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql import Select
+from sqlalchemy.sql.dml import Update
 
 from .counts import recount
 from .database import SqlDatabase
-from .dialects import insert_ignore, lock_rows_in_order
+from .dialects import driver_rows, insert_ignore
 from .port import Claim
 from .tables import partitions_table, ranges_table, tracked, tracked_counts
+
+
+@functools.cache
+def fence_statements(partitions: int) -> tuple[Select[Any], Update]:
+    """What fences ``partitions`` markers partitions at once: the PostgreSQL row lock, in
+    partition order, and the update that touches the rows whose epoch is still ours,
+    returning them. Parameters ``markers_topic``, ``now_ms`` and ``p<i>`` / ``e<i>`` (a
+    partition and the epoch we hold for it)."""
+    p = partitions_table.c
+    topic = bindparam("markers_topic", type_=String)
+    owned = [bindparam(f"p{i}", type_=Integer) for i in range(partitions)]
+    lock = (
+        select(p.partition)
+        .where(p.markers_topic == topic, p.partition.in_(owned))
+        .order_by(p.partition)
+        .with_for_update()
+    )
+    ours = [
+        and_(p.partition == owned[i], p.epoch == bindparam(f"e{i}", type_=BigInteger))
+        for i in range(partitions)
+    ]
+    touch = (
+        update(partitions_table)
+        .where(p.markers_topic == topic, or_(*ours))
+        .values(updated_ms=bindparam("now_ms", type_=BigInteger))
+        .returning(p.partition)
+    )
+    return lock, touch
 
 
 class PartitionOwnership(SqlDatabase):
@@ -66,9 +97,7 @@ class PartitionOwnership(SqlDatabase):
             # counters (counted_epoch is that owner's epoch) has exact counters already; the
             # others are counted again, whatever an owner of an older version wrote (see
             # tracker.store.counts). From here on this replica keeps them all.
-            await recount(
-                conn, tracked_counts, tracked, uncounted, ranges=ranges_table, engine=self.engine
-            )
+            await recount(conn, tracked_counts, tracked, uncounted, ranges=ranges_table)
             await conn.execute(
                 update(partitions_table)
                 .where(p.markers_topic == markers_topic, p.partition.in_(sorted(claims)))
@@ -119,27 +148,38 @@ class PartitionOwnership(SqlDatabase):
                 fenced.add(partition)
         return fenced
 
+    async def _lock_partitions(
+        self, conn: AsyncConnection, markers_topic: str, partitions: Iterable[int]
+    ) -> None:
+        """Lock these markers partitions' rows in partition order until the transaction ends,
+        as every writer of their entries does first (PostgreSQL; SQLite's write transactions
+        already run one at a time)."""
+        if conn.dialect.name == "sqlite":
+            return
+        owned = sorted(set(partitions))
+        if not owned:
+            return
+        params: dict[str, Any] = {f"p{i}": partition for i, partition in enumerate(owned)}
+        params["markers_topic"] = markers_topic
+        await driver_rows(conn, fence_statements(len(owned))[0], params)
+
     async def _fence_all(
         self, conn: AsyncConnection, markers_topic: str, epochs: dict[int, int], now_ms: int
     ) -> set[int]:
         """:meth:`_fence` without offsets to write: one statement (two on PostgreSQL, whose
-        rows are locked in partition order first, as every writer locks them)."""
-        p = partitions_table.c
+        rows are locked in partition order first, as every writer locks them).
+
+        Every redelivery round and every claim runs this: the statements are built once per
+        partition count (:func:`fence_statements`) and go to the driver as they are
+        (building them per call was a tenth of a burst round's claim)."""
+        await self._lock_partitions(conn, markers_topic, epochs)
         owned = sorted(epochs.items())
-        await lock_rows_in_order(
-            conn,
-            select(p.partition).where(
-                p.markers_topic == markers_topic, p.partition.in_([q for q, _ in owned])
-            ),
-            p.partition,
-        )
-        touched = await conn.execute(
-            update(partitions_table)
-            .where(p.markers_topic == markers_topic, tuple_(p.partition, p.epoch).in_(owned))
-            .values(updated_ms=now_ms)
-            .returning(p.partition)
-        )
-        return set(epochs) - {partition for (partition,) in touched}
+        params: dict[str, Any] = {"markers_topic": markers_topic, "now_ms": now_ms}
+        for i, (partition, epoch) in enumerate(owned):
+            params[f"p{i}"] = partition
+            params[f"e{i}"] = epoch
+        touched = await driver_rows(conn, fence_statements(len(owned))[1], params)
+        return set(epochs) - {int(row[0]) for row in touched}
 
     async def partition_offsets(self, markers_topic: str) -> dict[int, tuple[int, int]]:
         """``{partition: (epoch, next_offset)}`` for a markers topic."""
