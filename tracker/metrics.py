@@ -191,3 +191,21 @@ class Metrics:
             registry=r,
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
         )
+
+
+def observe_times(histogram: Histogram, amount: float, times: int) -> None:
+    """``histogram.observe(amount)``, ``times`` times over, in one step.
+
+    The offsets of a claimed range share one due time, so one lateness: observing it once
+    per offset cost 6 % of a burst round's CPU. prometheus_client has no call for it; this
+    adds to the sum and to the one bucket its ``observe`` adds to (the unit test compares
+    the two, so a client that changes its internals fails it).
+    """
+    if times <= 0:
+        return
+    histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]
+    histogram._sum.inc(amount * times)
+    for i, bound in enumerate(histogram._upper_bounds):
+        if amount <= bound:
+            histogram._buckets[i].inc(times)
+            break

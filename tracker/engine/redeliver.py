@@ -44,7 +44,7 @@ from tracker.engine.round_outcome import RETRY_AFTER_MS, tally_round
 from tracker.engine.signals import IngestProgress
 from tracker.ids import MessageId
 from tracker.kafka.original_records import Missing, OriginalRecord
-from tracker.metrics import Metrics
+from tracker.metrics import Metrics, observe_times
 from tracker.ports import OriginalsSource
 from tracker.store import StoreUnavailable
 from tracker.store.port import DeadLetterRecord, TrackerStore
@@ -319,8 +319,7 @@ class Redeliverer:
                 lateness.observe(max(0, now_ms - entry.due_at_ms) / 1000)
         for tracked_range in ranges:
             late = max(0, now_ms - tracked_range.due_at_ms) / 1000
-            for _ in range(tracked_range.open_count):
-                lateness.observe(late)
+            observe_times(lateness, late, tracked_range.open_count)
         return ClaimedRound(
             token=token,
             started=started,
