@@ -527,6 +527,20 @@ async def test_claim_due_skips_fenced_partitions(store: TrackerStore) -> None:
     assert (untouched.claim_token, untouched.due_at_ms) == (None, T0 + 10)
 
 
+async def test_a_replica_owning_thousands_of_markers_partitions_is_fenced_per_partition(
+    store: TrackerStore,
+) -> None:
+    """Every claim fences all the partitions the replica owns in one statement: it must hold
+    for more partitions than SQLite allows terms in an expression (1,000)."""
+    partitions = list(range(1_200))
+    epochs = await claim(store, partitions)
+    await start(store, epochs, 48, timeout_ms=10, markers_partition=1_150)
+    await store.claim_partitions(MARKERS, [7, 1_199], "b", T0)
+    claimed, fenced = await claim_due(store, epochs, T0 + 1_000, "t")
+    assert fenced == {7, 1_199}
+    assert [e.key for e in claimed] == [key(48)]
+
+
 async def test_claim_due_searches_each_partition_only_up_to_its_due_by(store: TrackerStore) -> None:
     epochs = await claim(store, [0, 1, 2])
     await start(store, epochs, 70, timeout_ms=100, markers_partition=0)

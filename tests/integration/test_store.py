@@ -39,11 +39,12 @@ from tracker.domain.actions import ActionKind, ActionRequest
 from tracker.protocol import Marker
 from tracker.store import StoreUnavailable
 from tracker.store.admin_reads import DeadLetterFilter
-from tracker.store.dialects import keys_in
+from tracker.store.dialects import driver_rows, keys_in
 from tracker.store.inspection import EntryFilter, InspectionQueries
 from tracker.store.manager import Store, payload_wanted
 from tracker.store.migrate import upgrade
 from tracker.store.operator_actions import OperatorActions
+from tracker.store.ownership import fence_statements
 from tracker.store.port import (
     DeadLetterRecord,
 )
@@ -356,3 +357,26 @@ async def test_requests_racing_with_one_idempotency_key_get_one_answer(store: St
     created = await asyncio.gather(*(jobs.create_redrive_job(spec, T0) for _ in range(5)))
     assert len({j.id for j in created}) == 1
     assert sorted(j.replayed for j in created) == [False, True, True, True, True]
+
+
+async def test_a_statement_run_on_the_driver_is_part_of_its_transaction(store: Store) -> None:
+    """The hot paths hand their statements to the driver itself (``driver_rows``). The
+    first statement of a transaction, too, must be part of it: a fence or a partition lock
+    that ran on its own would release its row lock at once, and an ingest flush and a
+    round's record would then lock entries in different orders (PostgreSQL deadlocks)."""
+    epochs = await claim(store, [0])
+    touch = fence_statements(1)[1]
+    fenced = {"markers_topic": MARKERS, "now_ms": T0 + 5, "p0": 0, "e0": epochs[0]}
+    touched: list[tuple[object, ...]] = []
+
+    async def touch_then_roll_back() -> None:
+        async with store.transaction() as conn:
+            touched.extend(tuple(row) for row in await driver_rows(conn, touch, fenced))
+            raise RuntimeError("rolled back")
+
+    with pytest.raises(RuntimeError, match="rolled back"):
+        await touch_then_roll_back()
+    assert touched == [(0,)]
+    async with store.transaction() as conn:
+        updated = (await conn.execute(select(partitions_table.c.updated_ms))).scalar_one()
+    assert updated == T0

@@ -466,6 +466,11 @@ async def driver_rows(
     args = [params[name] if name in params else defaults[name] for name in names]
     raw = await conn.get_raw_connection()
     driver: Any = raw.driver_connection
+    if conn.dialect.name != "sqlite" and not driver.is_in_transaction():
+        # SQLAlchemy's asyncpg adapter sends BEGIN with the first statement it runs itself:
+        # one sent past it first would run on its own (autocommit), and a row lock it takes
+        # would end with it. The transaction's first statement goes through SQLAlchemy.
+        return list((await conn.exec_driver_sql(sql, tuple(args))).all())
     try:
         if conn.dialect.name == "sqlite":
             return list(await driver.execute_fetchall(sql, args))
@@ -476,7 +481,7 @@ async def driver_rows(
         raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _driver_sql(
     dialect: Dialect, stmt: Select[Any] | Update | Delete
 ) -> tuple[str, tuple[str, ...], dict[str, Any]]:

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, String, and_, bindparam, or_, select, update
+from sqlalchemy import BigInteger, Integer, String, and_, bindparam, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import Update
@@ -41,13 +41,12 @@ def fence_statements(partitions: int) -> tuple[Select[Any], Update]:
         .order_by(p.partition)
         .with_for_update()
     )
-    ours = [
-        and_(p.partition == owned[i], p.epoch == bindparam(f"e{i}", type_=BigInteger))
-        for i in range(partitions)
-    ]
+    # (partition, epoch) IN ((p0, e0), ...): SQLite parses an OR chain as deep as it is
+    # long, and refuses one past 1,000 terms; a list of rows has no such limit.
+    ours = [tuple_(owned[i], bindparam(f"e{i}", type_=BigInteger)) for i in range(partitions)]
     touch = (
         update(partitions_table)
-        .where(p.markers_topic == topic, or_(*ours))
+        .where(p.markers_topic == topic, tuple_(p.partition, p.epoch).in_(ours))
         .values(updated_ms=bindparam("now_ms", type_=BigInteger))
         .returning(p.partition)
     )
