@@ -44,7 +44,7 @@ from tracker.store.inspection import EntryFilter, InspectionQueries
 from tracker.store.manager import Store, payload_wanted
 from tracker.store.migrate import upgrade
 from tracker.store.operator_actions import OperatorActions
-from tracker.store.ownership import fence_statements
+from tracker.store.ownership import fence_touch
 from tracker.store.port import (
     DeadLetterRecord,
 )
@@ -365,7 +365,7 @@ async def test_a_statement_run_on_the_driver_is_part_of_its_transaction(store: S
     that ran on its own would release its row lock at once, and an ingest flush and a
     round's record would then lock entries in different orders (PostgreSQL deadlocks)."""
     epochs = await claim(store, [0])
-    touch = fence_statements(1)[1]
+    touch = fence_touch(1)
     fenced = {"markers_topic": MARKERS, "now_ms": T0 + 5, "p0": 0, "e0": epochs[0]}
     touched: list[tuple[object, ...]] = []
 

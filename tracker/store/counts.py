@@ -97,11 +97,7 @@ async def recount(
         .where(e.markers_partition.in_(owned))
         .group_by(e.markers_partition, e.origin_topic, e.group_id, e.state)
     )
-    await conn.execute(
-        counts.insert().from_select(
-            ["markers_partition", "origin_topic", "group_id", "state", "entries"], counted
-        )
-    )
+    await conn.execute(counts.insert().from_select(list(COUNT_ROW), counted))
     if ranges is None:
         return
     r = ranges.c

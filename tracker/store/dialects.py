@@ -335,14 +335,21 @@ def _unnest_upsert_sql(
     # Every name comes from the schema (the models), quoted; values are parameters.
     quote = dialect.identifier_preparer.quote
     keys = ", ".join(quote(c.name) for c in table.primary_key.columns)
-    arrays = ", ".join(
-        f"${i}::{_array_element_type(table.c[c].type, dialect)}[]" for i, c in enumerate(columns, 1)
-    )
     updates = ", ".join(f"{quote(c)} = EXCLUDED.{quote(c)}" for c in update)
     return (
         f"INSERT INTO {quote(table.name)} ({', '.join(quote(c) for c in columns)})"  # noqa: S608
-        f" SELECT * FROM unnest({arrays}) ON CONFLICT ({keys}) DO UPDATE SET {updates}"
+        f" SELECT * FROM {_unnest(dialect, table, columns)}"
+        f" ON CONFLICT ({keys}) DO UPDATE SET {updates}"
     )
+
+
+def _unnest(dialect: Dialect, table: Table, columns: Sequence[str]) -> str:
+    """``unnest($1::type[], ...)``: rows of ``columns`` passed as one array per column
+    (PostgreSQL)."""
+    arrays = ", ".join(
+        f"${i}::{_array_element_type(table.c[c].type, dialect)}[]" for i, c in enumerate(columns, 1)
+    )
+    return f"unnest({arrays})"
 
 
 async def add_to_counters(
@@ -384,11 +391,7 @@ def _counters_sql(
     if dialect.name == "sqlite":
         rows = f"VALUES ({', '.join('?' for _ in columns)})"
     else:
-        arrays = ", ".join(
-            f"${i}::{_array_element_type(table.c[c].type, dialect)}[]"
-            for i, c in enumerate(columns, 1)
-        )
-        rows = f"SELECT * FROM unnest({arrays})"  # noqa: S608
+        rows = f"SELECT * FROM {_unnest(dialect, table, columns)}"  # noqa: S608
     return (
         f"INSERT INTO {name} ({', '.join(quote(c) for c in columns)}) {rows}"
         f" ON CONFLICT ({keys}) DO UPDATE SET {added}"

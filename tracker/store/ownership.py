@@ -27,30 +27,40 @@ from .tables import partitions_table, ranges_table, tracked, tracked_counts
 
 
 @functools.cache
-def fence_statements(partitions: int) -> tuple[Select[Any], Update]:
-    """What fences ``partitions`` markers partitions at once: the PostgreSQL row lock, in
-    partition order, and the update that touches the rows whose epoch is still ours,
-    returning them. Parameters ``markers_topic``, ``now_ms`` and ``p<i>`` / ``e<i>`` (a
-    partition and the epoch we hold for it)."""
+def partitions_lock(partitions: int) -> Select[Any]:
+    """Locks ``partitions`` markers partitions' rows in partition order (PostgreSQL: ``FOR
+    UPDATE``). Parameters ``markers_topic`` and ``p<i>``. Built once per partition count."""
     p = partitions_table.c
-    topic = bindparam("markers_topic", type_=String)
     owned = [bindparam(f"p{i}", type_=Integer) for i in range(partitions)]
-    lock = (
+    return (
         select(p.partition)
-        .where(p.markers_topic == topic, p.partition.in_(owned))
+        .where(p.markers_topic == bindparam("markers_topic", type_=String), p.partition.in_(owned))
         .order_by(p.partition)
         .with_for_update()
     )
+
+
+@functools.cache
+def fence_touch(partitions: int) -> Update:
+    """Touches the rows of ``partitions`` markers partitions whose epoch is still ours,
+    returning them. Parameters ``markers_topic``, ``now_ms`` and ``p<i>`` / ``e<i>`` (a
+    partition and the epoch we hold for it). Built once per partition count."""
+    p = partitions_table.c
     # (partition, epoch) IN ((p0, e0), ...): SQLite parses an OR chain as deep as it is
     # long, and refuses one past 1,000 terms; a list of rows has no such limit.
-    ours = [tuple_(owned[i], bindparam(f"e{i}", type_=BigInteger)) for i in range(partitions)]
-    touch = (
+    ours = [
+        tuple_(bindparam(f"p{i}", type_=Integer), bindparam(f"e{i}", type_=BigInteger))
+        for i in range(partitions)
+    ]
+    return (
         update(partitions_table)
-        .where(p.markers_topic == topic, tuple_(p.partition, p.epoch).in_(ours))
+        .where(
+            p.markers_topic == bindparam("markers_topic", type_=String),
+            tuple_(p.partition, p.epoch).in_(ours),
+        )
         .values(updated_ms=bindparam("now_ms", type_=BigInteger))
         .returning(p.partition)
     )
-    return lock, touch
 
 
 class PartitionOwnership(SqlDatabase):
@@ -160,7 +170,7 @@ class PartitionOwnership(SqlDatabase):
             return
         params: dict[str, Any] = {f"p{i}": partition for i, partition in enumerate(owned)}
         params["markers_topic"] = markers_topic
-        await driver_rows(conn, fence_statements(len(owned))[0], params)
+        await driver_rows(conn, partitions_lock(len(owned)), params)
 
     async def _fence_all(
         self, conn: AsyncConnection, markers_topic: str, epochs: dict[int, int], now_ms: int
@@ -169,15 +179,15 @@ class PartitionOwnership(SqlDatabase):
         rows are locked in partition order first, as every writer locks them).
 
         Every redelivery round and every claim runs this: the statements are built once per
-        partition count (:func:`fence_statements`) and go to the driver as they are
-        (building them per call was a tenth of a burst round's claim)."""
+        partition count (:func:`partitions_lock`, :func:`fence_touch`) and go to the driver
+        as they are (building them per call was a tenth of a burst round's claim)."""
         await self._lock_partitions(conn, markers_topic, epochs)
         owned = sorted(epochs.items())
         params: dict[str, Any] = {"markers_topic": markers_topic, "now_ms": now_ms}
         for i, (partition, epoch) in enumerate(owned):
             params[f"p{i}"] = partition
             params[f"e{i}"] = epoch
-        touched = await driver_rows(conn, fence_statements(len(owned))[1], params)
+        touched = await driver_rows(conn, fence_touch(len(owned)), params)
         return set(epochs) - {int(row[0]) for row in touched}
 
     async def partition_offsets(self, markers_topic: str) -> dict[int, tuple[int, int]]:
