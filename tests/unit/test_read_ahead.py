@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from support.engine_parts import FakeProducer, redeliverer_without_ingest
@@ -28,6 +29,7 @@ from tracker.metrics import Metrics
 from tracker.protocol import Marker
 from tracker.store.memory import InMemoryStore
 from tracker.store.port import PartitionProgress, PendingMarker
+from tracker.store.store_errors import StoreUnavailable
 
 pytestmark = [pytest.mark.unit]
 
@@ -246,6 +248,42 @@ async def test_an_entry_written_already_due_is_read_ahead_at_once() -> None:
         await rig.start([7], written_ms=written)
         rig.redeliverer.notify_due(written + LEASE_MS)  # as ingest does after the write
         await until(lambda: rig.held.held == 2, what="the late entry read ahead")
+        assert rig.source.asked == [at(5), at(7)]
+    finally:
+        stopping.set()
+        await loop
+
+
+async def test_a_look_back_the_store_could_not_answer_is_done_after_the_pause() -> None:
+    """An entry written already due sends the next look back for it; if the store is away
+    then, the look after the pause still goes back for it."""
+    rig = Rig()
+    await rig.start([5])
+    lookups = rig.store.copies_falling_due
+    failing = {"armed": False}
+
+    async def away_once(*args: Any) -> Any:
+        if failing["armed"]:
+            failing["armed"] = False
+            raise StoreUnavailable("database restarting")
+        return await lookups(*args)
+
+    rig.store.copies_falling_due = away_once  # type: ignore[method-assign,assignment]
+    stopping = asyncio.Event()
+    loop = asyncio.create_task(rig.read_ahead.run(stopping))
+    try:
+        await until(lambda: rig.read_ahead.looks >= 1, what="the first look")
+        rig.clock.advance(timedelta(seconds=5))
+        looks = rig.read_ahead.looks
+        rig.redeliverer.notify_due(rig.now_ms())
+        await until(lambda: rig.read_ahead.looks > looks, what="a look covering the last 5 s")
+        assert rig.source.asked == [at(5)]
+        written = rig.now_ms() - 5 * LEASE_MS
+        await rig.start([7], written_ms=written)
+        failing["armed"] = True
+        rig.redeliverer.notify_due(written + LEASE_MS)
+        await until(lambda: not failing["armed"], what="the look back refused")
+        await until(lambda: rig.held.held == 2, what="the late entry read ahead after the pause")
         assert rig.source.asked == [at(5), at(7)]
     finally:
         stopping.set()

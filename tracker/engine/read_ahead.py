@@ -249,10 +249,15 @@ class ReadAhead:
                 else:
                     if rewind is not None and rewind < after_ms:
                         await self._look_back(rewind, after_ms)
+                    rewind = None
                     after_ms, delay = await self._look(after_ms)
                 backoff = 0.5
             except StoreUnavailable as exc:
                 log.debug("read ahead paused, store unavailable: %s", exc)
+                if rewind is not None:
+                    # The look back did not happen: the next look after the pause does it.
+                    later = self._rewind_to_ms
+                    self._rewind_to_ms = rewind if later is None else min(rewind, later)
                 delay, backoff = backoff, min(backoff * 2, 10.0)
             if delay > 0:
                 self._wake_at_ms = to_millis(self._clock.now()) + int(delay * 1000)
