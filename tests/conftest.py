@@ -118,6 +118,25 @@ def postgres_url() -> Iterator[str]:
 
 
 @pytest.fixture
+def replica_postgres_url() -> Iterator[str]:
+    """A fresh, empty Postgres database for this test alone, dropped after it.
+
+    For tests that run tracker replicas on Postgres and count what they do: a replica claims
+    every due entry of the markers partitions it owns, whichever test wrote it (a database
+    serves one markers topic), and the session's database holds other tests' leftovers.
+    """
+    database = PostgresTestDatabase()
+    try:
+        url = database.create()
+    except PostgresUnavailableError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield url
+    finally:
+        database.drop()
+
+
+@pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     """``sqlite+aiosqlite:///<tmp>/kmq.sqlite3``: a fresh SQLite database file for this test."""
     return make_sqlite_url(tmp_path / "kmq.sqlite3")

@@ -117,7 +117,11 @@ class TrackerSettings(BaseSettings):
     )
     database_url: str = Field(
         "sqlite+aiosqlite:///kmq-tracker.db",
-        description="SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://...",
+        description=(
+            "SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://... "
+            "One database per markers topic: entries are filed by markers partition, so two "
+            "deployments with different markers topics must not share one."
+        ),
     )
     migrate_on_start: bool = Field(
         False, description="Run the database migrations when the process starts."

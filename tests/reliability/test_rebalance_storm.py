@@ -108,7 +108,7 @@ def ownership_settled(live: dict[str, Replica]) -> bool:
 
 
 async def test_replicas_join_and_leave_repeatedly(
-    kafka_bootstrap: str, topic_factory: TopicFactory, postgres_url: str
+    kafka_bootstrap: str, topic_factory: TopicFactory, replica_postgres_url: str
 ) -> None:
     rng = random.Random(SEED)
     ack_first = {i for i in range(MESSAGES) if rng.random() < ACK_SHARE}
@@ -118,7 +118,7 @@ async def test_replicas_join_and_leave_repeatedly(
     group = unique_topic("storm-workers")
     settings_kw: dict[str, Any] = {
         "bootstrap": kafka_bootstrap,
-        "database_url": postgres_url,
+        "database_url": replica_postgres_url,
         "markers_topic": markers,
         "markers_partitions": MARKERS_PARTITIONS,
         "tracker_group": f"tracker-{markers}",
