@@ -103,18 +103,7 @@ def postgres_url() -> Iterator[str]:
     The database is dropped at the end of the session (open connections are terminated).
     The server comes from ``KMQ_TEST_POSTGRES_URL`` or the local default; no server is an error.
     """
-    database = PostgresTestDatabase()
-    problem: str | None = None
-    try:
-        url = database.create()
-    except PostgresUnavailableError as exc:
-        problem = str(exc)
-    if problem is not None:
-        pytest.fail(problem, pytrace=False)
-    try:
-        yield url
-    finally:
-        database.drop()
+    yield from _fresh_postgres_database()
 
 
 @pytest.fixture
@@ -125,11 +114,19 @@ def replica_postgres_url() -> Iterator[str]:
     every due entry of the markers partitions it owns, whichever test wrote it (a database
     serves one markers topic), and the session's database holds other tests' leftovers.
     """
+    yield from _fresh_postgres_database()
+
+
+def _fresh_postgres_database() -> Iterator[str]:
+    """Create an empty database, yield its URL, drop it; no server fails the test."""
     database = PostgresTestDatabase()
+    problem: str | None = None
     try:
         url = database.create()
     except PostgresUnavailableError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        problem = str(exc)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
     try:
         yield url
     finally:

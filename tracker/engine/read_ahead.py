@@ -217,14 +217,18 @@ class ReadAhead:
         """
         looked = self._looked_to_ms
         if looked is not None and due_ms <= looked:
-            rewind = self._rewind_to_ms
-            if rewind is None or due_ms - 1 < rewind:
-                self._rewind_to_ms = due_ms - 1
+            self._look_back_from(due_ms - 1)
             self._wake.set()
             return
         wake_at = self._wake_at_ms
         if wake_at is None or due_ms < wake_at:
             self._wake.set()
+
+    def _look_back_from(self, after_ms: int) -> None:
+        """The next look goes back to ``after_ms`` (the earliest of those asked for)."""
+        rewind = self._rewind_to_ms
+        if rewind is None or after_ms < rewind:
+            self._rewind_to_ms = after_ms
 
     def notify_ownership(self) -> None:
         """The replica's markers partitions changed: look at once (a replica that starts owns
@@ -256,8 +260,7 @@ class ReadAhead:
                 log.debug("read ahead paused, store unavailable: %s", exc)
                 if rewind is not None:
                     # The look back did not happen: the next look after the pause does it.
-                    later = self._rewind_to_ms
-                    self._rewind_to_ms = rewind if later is None else min(rewind, later)
+                    self._look_back_from(rewind)
                 delay, backoff = backoff, min(backoff * 2, 10.0)
             if delay > 0:
                 self._wake_at_ms = to_millis(self._clock.now()) + int(delay * 1000)
