@@ -1,7 +1,7 @@
 """The store contract: what every :class:`~tracker.store.port.TrackerStore` must do.
 
 Each test runs on the three backends: the in-memory store shipped in the package
-(``tracker.store.memory``), a fresh SQLite file and the session's PostgreSQL database. The
+(``tracker.store.memory``), a fresh SQLite file and a fresh PostgreSQL database. The
 engine's behaviour rests on these rules (fencing, folding, claims, a round's record), so a
 store that passes them can stand in for another; the SQL store's own concerns (its counters,
 SQLite's locking, query plans) are tested in ``tests/integration/test_store.py``.
@@ -67,7 +67,7 @@ BACKENDS = ["memory", "sqlite", "postgres"]
 
 @pytest.fixture(params=BACKENDS, ids=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    """``memory``, or the URL of a fresh SQLite file or of the session's PostgreSQL database."""
+    """``memory``, or the URL of a fresh SQLite file or of a fresh PostgreSQL database."""
     if request.param == "memory":
         return "memory"
     url = request.getfixturevalue(f"{request.param}_url")

@@ -373,7 +373,7 @@ async def test_tracker_killed_at_random_moments_loses_nothing(
 
 
 async def test_same_group_restart_after_sigkill(
-    kafka_bootstrap: str, topic_factory: TopicFactory, replica_postgres_url: str, tmp_path: Path
+    kafka_bootstrap: str, topic_factory: TopicFactory, postgres_url: str, tmp_path: Path
 ) -> None:
     """A tracker restarted in the same consumer group after SIGKILL takes over and redelivers.
 
@@ -384,10 +384,10 @@ async def test_same_group_restart_after_sigkill(
     markers = await topic_factory(partitions=MARKERS_PARTITIONS, prefix="crash1-markers")
     group = unique_topic("crash1-workers")
     tracker = TrackerProcess(
-        tracker_env(kafka_bootstrap, replica_postgres_url, markers), tmp_path, f"tracker-{markers}"
+        tracker_env(kafka_bootstrap, postgres_url, markers), tmp_path, f"tracker-{markers}"
     )
     tracker.fresh_group = False
-    store = Store.from_url(replica_postgres_url)
+    store = Store.from_url(postgres_url)
     sent: dict[Any, int] = {}
     try:
         async with (

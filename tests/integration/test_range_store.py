@@ -50,6 +50,7 @@ ROUND_2 = "round-2"
 
 
 async def _fresh(url: str) -> Store:
+    """A store on the test's database, emptied: Hypothesis runs every example on it."""
     store = Store.from_url(url)
     await upgrade(store.engine)
     await reset_engine_tables(store)

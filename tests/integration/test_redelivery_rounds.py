@@ -30,7 +30,6 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from support.broker import TopicFactory, unique_topic
 from support.engine_parts import FixedProgress
-from support.sql_stores import reset_engine_tables
 
 from tracker.client.planning import SeenCopies
 from tracker.clock import Clock, ManualClock, SystemClock, to_millis
@@ -62,9 +61,6 @@ async def store(database_url: str) -> AsyncIterator[Store]:
     store = Store.from_url(database_url)
     try:
         await upgrade(store.engine)
-        # The PostgreSQL database is shared by the session, and these rounds claim every due
-        # entry and range of markers partition 0: another test's leftovers would take part.
-        await reset_engine_tables(store)
         yield store
     finally:
         await store.close()

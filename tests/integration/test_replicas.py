@@ -104,7 +104,7 @@ async def _sample_ownership(replicas: list[Replica], timeline: list[tuple[str, i
 
 
 async def test_two_replicas_hand_partitions_over_without_double_redelivery(
-    kafka_bootstrap: str, topic_factory: TopicFactory, replica_postgres_url: str
+    kafka_bootstrap: str, topic_factory: TopicFactory, postgres_url: str
 ) -> None:
     # Markers of queue partition p go to murmur2("<topic>:<p>") % 8: with a random name, a few
     # queue partitions may all land in one replica's half. Pick a name whose QUEUE_PARTITIONS
@@ -115,7 +115,7 @@ async def test_two_replicas_hand_partitions_over_without_double_redelivery(
     group = unique_topic("replica-workers")
     settings_kw: dict[str, Any] = {
         "bootstrap": kafka_bootstrap,
-        "database_url": replica_postgres_url,
+        "database_url": postgres_url,
         "markers_topic": markers,
         "markers_partitions": MARKERS_PARTITIONS,
         "tracker_group": f"tracker-{markers}",
@@ -347,7 +347,7 @@ async def _fill_queue(bootstrap: str, topic: str, per_partition: int) -> list[Me
 
 
 async def test_two_replicas_share_a_burst_without_double_redelivery(
-    kafka_bootstrap: str, topic_factory: TopicFactory, replica_postgres_url: str
+    kafka_bootstrap: str, topic_factory: TopicFactory, postgres_url: str
 ) -> None:
     """Mass expiry while a second replica joins: every message republished exactly once.
 
@@ -363,7 +363,7 @@ async def test_two_replicas_share_a_burst_without_double_redelivery(
     group = unique_topic("burst-workers")
     settings_kw: dict[str, Any] = {
         "bootstrap": kafka_bootstrap,
-        "database_url": replica_postgres_url,
+        "database_url": postgres_url,
         "markers_topic": markers,
         "markers_partitions": MARKERS_PARTITIONS,
         "tracker_group": f"tracker-{markers}",

@@ -2,8 +2,7 @@
 counters, SQLite's locking and query plans. What every store must do is in the contract suite
 (``tests/contract/test_store_contract.py``).
 
-Every test runs on both databases (``database_url``). The Postgres database is shared by the
-session, so the ``store`` fixture migrates it (idempotent) and empties the tables first.
+Every test runs on both databases (``database_url``), each a database of the test's own.
 All times are explicit milliseconds; nothing here reads the wall clock.
 """
 

@@ -134,9 +134,7 @@ async def sample_health(
             await asyncio.wait_for(stop.wait(), 0.25)
 
 
-async def test_broker_dropped_then_stalled_loses_nothing(
-    replica_postgres_url: str, tmp_path: Path
-) -> None:
+async def test_broker_dropped_then_stalled_loses_nothing(postgres_url: str, tmp_path: Path) -> None:
     rng = random.Random(SEED)
     ack_first = {i for i in range(MESSAGES) if rng.random() < ACK_SHARE}
     started = time.monotonic()
@@ -149,7 +147,7 @@ async def test_broker_dropped_then_stalled_loses_nothing(
         group = unique_topic("brk-workers")
         settings = tracker_settings(
             bootstrap,
-            replica_postgres_url,
+            postgres_url,
             markers,
             markers_partitions=MARKERS_PARTITIONS,
             redelivery_batch=REDELIVERY_BATCH,

@@ -1,6 +1,6 @@
 """Rebalance storm: tracker replicas (PostgreSQL) join and leave again and again under load.
 
-Replicas run in this process, in one tracker group, on the session's PostgreSQL database. A
+Replicas run in this process, in one tracker group, on a PostgreSQL database of the test's own. A
 workload runs throughout (a worker that drops ~30 % of first deliveries, so the replicas have
 redeliveries to make, and acks every copy). Membership changes follow a fixed script (CI) or
 a seeded random walk between one and four replicas (soak); after each change the test waits
@@ -108,7 +108,7 @@ def ownership_settled(live: dict[str, Replica]) -> bool:
 
 
 async def test_replicas_join_and_leave_repeatedly(
-    kafka_bootstrap: str, topic_factory: TopicFactory, replica_postgres_url: str
+    kafka_bootstrap: str, topic_factory: TopicFactory, postgres_url: str
 ) -> None:
     rng = random.Random(SEED)
     ack_first = {i for i in range(MESSAGES) if rng.random() < ACK_SHARE}
@@ -118,7 +118,7 @@ async def test_replicas_join_and_leave_repeatedly(
     group = unique_topic("storm-workers")
     settings_kw: dict[str, Any] = {
         "bootstrap": kafka_bootstrap,
-        "database_url": replica_postgres_url,
+        "database_url": postgres_url,
         "markers_topic": markers,
         "markers_partitions": MARKERS_PARTITIONS,
         "tracker_group": f"tracker-{markers}",

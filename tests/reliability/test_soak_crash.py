@@ -38,7 +38,7 @@ async def test_tracker_killed_many_times_loses_nothing(
     *,
     kafka_bootstrap: str,
     topic_factory: TopicFactory,
-    replica_postgres_url: str,
+    postgres_url: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -48,7 +48,7 @@ async def test_tracker_killed_many_times_loses_nothing(
     monkeypatch.setattr(crash, "KILLS", KILLS)
     started = time.monotonic()
     await crash.test_tracker_killed_at_random_moments_loses_nothing(
-        kafka_bootstrap, topic_factory, replica_postgres_url, tmp_path
+        kafka_bootstrap, topic_factory, postgres_url, tmp_path
     )
     out = capsys.readouterr().out
     print(out)
