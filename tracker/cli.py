@@ -108,6 +108,35 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rebind(args: argparse.Namespace) -> int:
+    """Move the database from a retired markers topic to the configured one (markers_topic)."""
+    from tracker.clock import SystemClock, to_millis  # noqa: PLC0415
+    from tracker.store.database import SqlDatabase  # noqa: PLC0415
+    from tracker.store.migrate import check_schema, database_errors  # noqa: PLC0415
+    from tracker.store.topic_binding import rebind_markers_topic  # noqa: PLC0415
+
+    settings = _settings(args)
+
+    async def rebind() -> None:
+        database = SqlDatabase.from_url(settings.database_url)
+        try:
+            async with database_errors(database.engine):
+                await check_schema(database.engine)
+                await rebind_markers_topic(
+                    database,
+                    args.old,
+                    settings.markers_topic,
+                    by=f"{settings.replica_id}/rebind-markers-topic",
+                    now_ms=to_millis(SystemClock().now()),
+                )
+        finally:
+            await database.close()
+
+    asyncio.run(rebind())
+    print(f"the database now serves markers topic {settings.markers_topic!r} (was {args.old!r})")
+    return 0
+
+
 def _cmd_api(args: argparse.Namespace) -> int:
     """Serve the admin API alone (own store and Kafka clients; runs redrive jobs)."""
     from tracker.runtime import serve_standalone  # noqa: PLC0415
@@ -174,6 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--config", help="TOML settings file")
     migrate.add_argument("--revision", default="head", help="target revision (default: head)")
     migrate.set_defaults(func=_cmd_migrate)
+
+    rebind = commands.add_parser("rebind-markers-topic", help=_cmd_rebind.__doc__)
+    rebind.add_argument("--config", help="TOML settings file")
+    rebind.add_argument(
+        "--from",
+        dest="old",
+        required=True,
+        metavar="TOPIC",
+        help="the markers topic the database serves now (refused if it serves another)",
+    )
+    rebind.set_defaults(func=_cmd_rebind)
 
     api = commands.add_parser("api", help=_cmd_api.__doc__)
     api.add_argument("--config", help="TOML settings file")

@@ -27,7 +27,7 @@ from api.app import create_app, create_app_from_factory
 from api.context import ApiContext, Closer, close_all, kafka_reads
 from api.server import bind_http, serve
 from tracker.client.marker_sink import KafkaMarkerSink
-from tracker.clock import Clock, SystemClock
+from tracker.clock import Clock, SystemClock, to_millis
 from tracker.engine.connections import (
     EngineConnections,
     markers_fetch_options,
@@ -42,8 +42,9 @@ from tracker.metrics import Metrics
 from tracker.settings import TrackerSettings
 from tracker.settings_loading import load_settings
 from tracker.store import Store
-from tracker.store.migrate import check_schema, upgrade
+from tracker.store.migrate import check_schema, database_errors, upgrade
 from tracker.store.redrive_leases import RedriveLeaseStore
+from tracker.store.topic_binding import bind_markers_topic
 
 
 def create_tracker(
@@ -173,9 +174,17 @@ async def standalone_api_context(
     try:
         store = Store.from_url(settings.database_url)
         closers.append(store.close)
-        if settings.migrate_on_start:
-            await upgrade(store.engine)
-        await check_schema(store.engine)
+        clock = clock or SystemClock()
+        async with database_errors(store.engine):
+            if settings.migrate_on_start:
+                await upgrade(store.engine)
+            await check_schema(store.engine)
+            await bind_markers_topic(
+                store,
+                settings.markers_topic,
+                by=f"{settings.replica_id}/api",
+                now_ms=to_millis(clock.now()),
+            )
         config = kafka_client_options(settings)
         producer = _producer(settings, config)
         await producer.start()
@@ -191,7 +200,6 @@ async def standalone_api_context(
         await close_all(closers)
         raise
     metrics = metrics or Metrics()
-    clock = clock or SystemClock()
     redrive = RedriveRunner(
         jobs=RedriveLeaseStore(store, settings.markers_topic),
         producer=producer,
@@ -231,5 +239,19 @@ def create_standalone_app(settings: TrackerSettings | None = None) -> FastAPI:
 
 
 async def serve_standalone(settings: TrackerSettings, stopping: asyncio.Event) -> None:
-    """Serve the API alone (its own store and Kafka clients) on the configured address."""
-    await serve(create_standalone_app(settings), settings.http_host, settings.http_port, stopping)
+    """Serve the API alone (its own store and Kafka clients) on the configured address.
+
+    The context is built before the server starts, not in the app's startup: a database that
+    cannot be used, or that serves another markers topic, then fails ``kmq-tracker api`` in one
+    line, as it fails ``kmq-tracker run``, instead of in a traceback of the server's startup.
+    """
+    context = await standalone_api_context(settings)
+
+    async def factory() -> ApiContext:
+        return context
+
+    try:
+        app = create_app_from_factory(settings, factory)
+        await serve(app, settings.http_host, settings.http_port, stopping)
+    finally:
+        await context.close()  # the app closes it at shutdown; not if it never started

@@ -120,7 +120,8 @@ class TrackerSettings(BaseSettings):
         description=(
             "SQLAlchemy async URL: sqlite+aiosqlite:///path or postgresql+asyncpg://... "
             "One database per markers topic: entries are filed by markers partition, so two "
-            "deployments with different markers topics must not share one."
+            "deployments with different markers topics must not share one; a tracker or API "
+            "refuses a database that serves another markers topic (docs/operations.md)."
         ),
     )
     migrate_on_start: bool = Field(

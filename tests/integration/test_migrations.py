@@ -1,8 +1,7 @@
 """The Alembic migrations against the models, on fresh SQLite and Postgres databases.
 
-Each test starts from an empty database of its own (a temp SQLite file, or a Postgres database
-created for the test), never the session's shared Postgres database: ``upgrade``/``downgrade``
-must see a database that no other test touches.
+Each test starts from an empty database of its own (a temp SQLite file, or an empty Postgres
+database created for the test, ``empty_postgres_url``, not the migrated copy other tests get).
 """
 
 from __future__ import annotations
@@ -16,13 +15,12 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.schema import DefaultClause
 from sqlalchemy.sql.elements import TextClause
 from support.counts import counters_and_recount
-from support.databases import PostgresTestDatabase, PostgresUnavailableError
 from support.databases import sqlite_url as make_sqlite_url
 
 from tracker.store.dialects import create_engine
@@ -35,7 +33,13 @@ from tracker.store.migrate import (
 )
 from tracker.store.models import Base
 from tracker.store.store_errors import SchemaOutdated
-from tracker.store.tables import dead_letters, ranges_table, tracked
+from tracker.store.tables import (
+    dead_letters,
+    markers_topic_binding,
+    partitions_table,
+    ranges_table,
+    tracked,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -71,23 +75,13 @@ DEAD_LETTER = {
 
 
 @pytest.fixture(params=["sqlite", "postgres"], ids=["sqlite", "postgres"])
-def fresh_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """An async URL of an empty database that only this test uses."""
+def fresh_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An async URL of an empty database (no schema) that only this test uses."""
     if request.param == "sqlite":
-        yield make_sqlite_url(tmp_path / "fresh.sqlite3")
-        return
-    database = PostgresTestDatabase()
-    problem: str | None = None
-    try:
-        url = database.create()
-    except PostgresUnavailableError as exc:
-        problem = str(exc)
-    if problem is not None:
-        pytest.fail(problem, pytrace=False)
-    try:
-        yield url
-    finally:
-        database.drop()
+        return make_sqlite_url(tmp_path / "fresh.sqlite3")
+    url = request.getfixturevalue("empty_postgres_url")
+    assert isinstance(url, str)
+    return url
 
 
 @pytest.fixture
@@ -338,3 +332,51 @@ async def test_upgrade_to_0008_counts_each_group_and_downgrade_adds_them_up(
             text("SELECT origin_topic, total, waiting FROM dead_letter_counts")
         )
         assert [tuple(r) for r in old] == [("orders", 3, 2)]
+
+
+def _partition_row(markers_topic: str, partition: int) -> dict[str, object]:
+    return {
+        "markers_topic": markers_topic,
+        "partition": partition,
+        "epoch": 1,
+        "owner": None,
+        "next_offset": 0,
+        "updated_ms": 1,
+    }
+
+
+async def _binding(engine: AsyncEngine) -> list[tuple[str, str]]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            select(markers_topic_binding.c.markers_topic, markers_topic_binding.c.bound_by)
+        )
+        return [(row[0], row[1]) for row in rows]
+
+
+async def test_upgrade_to_0013_binds_a_database_to_the_one_markers_topic_it_served(
+    engine: AsyncEngine,
+) -> None:
+    await upgrade(engine, "0012")
+    async with engine.begin() as conn:
+        rows = [_partition_row("orders-markers", p) for p in range(3)]
+        await conn.execute(partitions_table.insert(), rows)
+    await upgrade(engine)
+    assert await _binding(engine) == [("orders-markers", "migration 0013")]
+
+
+@pytest.mark.parametrize(
+    "served", [[], ["orders-markers", "payments-markers"]], ids=["none", "two"]
+)
+async def test_upgrade_to_0013_leaves_a_database_that_served_none_or_several_unbound(
+    engine: AsyncEngine, served: list[str]
+) -> None:
+    """Several: already misconfigured, and no topic to prefer; the first process to start
+    binds it, and a process of the other topic is refused from then on."""
+    await upgrade(engine, "0012")
+    if served:
+        async with engine.begin() as conn:
+            await conn.execute(partitions_table.insert(), [_partition_row(t, 0) for t in served])
+    await upgrade(engine)
+    assert await _binding(engine) == []
+    await downgrade(engine, "0012")
+    assert "markers_topic_binding" not in await table_names(engine)

@@ -10,7 +10,8 @@ Two tables:
 * **invalid settings**: values the settings model refuses (or a configuration file that is
   missing or is not TOML); nothing is started, nothing is logged, exit code 2;
 * **unusable resources**: settings that validate but name a database that cannot be used (a
-  file in a missing directory, a server that refuses connections, a schema not migrated).
+  file in a missing directory, a server that refuses connections, a schema not migrated, a
+  database that serves another markers topic).
   These fail in the first second of startup, after logging is configured: the last line of
   stderr must be the one-line message, and there must be no traceback and no "Unclosed ..."
   complaint about clients that were never closed.
@@ -30,6 +31,10 @@ from pathlib import Path
 
 import pytest
 from support.databases import sqlite_url
+
+from tracker.store.database import SqlDatabase
+from tracker.store.migrate import upgrade
+from tracker.store.topic_binding import bind_markers_topic, bound_markers_topic
 
 pytestmark = [pytest.mark.integration]
 
@@ -114,6 +119,20 @@ def _closed_port() -> int:
     return port  # closed again: connecting is refused
 
 
+#: A SQLite file that serves ``BOUND_TOPIC``; the cases run with the default markers topic.
+BOUND_DATABASE = "bound.sqlite3"
+BOUND_TOPIC = "orders-markers"
+
+
+async def bind_database(path: Path, markers_topic: str) -> None:
+    database = SqlDatabase.from_url(sqlite_url(path))
+    try:
+        await upgrade(database.engine)
+        await bind_markers_topic(database, markers_topic, by="test", now_ms=0)
+    finally:
+        await database.close()
+
+
 def unusable_resources(tmp: Path, taken_port: int) -> list[Case]:
     port = _closed_port()
     return [
@@ -146,6 +165,24 @@ def unusable_resources(tmp: Path, taken_port: int) -> list[Case]:
             "postgres server refusing connections",
             {"KMQ_DATABASE_URL": f"postgresql+asyncpg://kmq@127.0.0.1:{port}/kmq"},
             names=("database",),
+        ),
+        Case(
+            "database serving another markers topic",
+            {"KMQ_DATABASE_URL": sqlite_url(tmp / BOUND_DATABASE)},
+            names=(BOUND_TOPIC, "kmq-markers", "rebind-markers-topic --from"),
+        ),
+        Case(
+            "API on a database serving another markers topic",
+            {"KMQ_DATABASE_URL": sqlite_url(tmp / BOUND_DATABASE)},
+            names=(BOUND_TOPIC, "kmq-markers"),
+            command="api",
+        ),
+        Case(
+            "rebind from a markers topic the database does not serve",
+            {"KMQ_DATABASE_URL": sqlite_url(tmp / BOUND_DATABASE)},
+            names=(BOUND_TOPIC, "payments-markers", "nothing changed"),
+            command="rebind-markers-topic",
+            args=("--from", "payments-markers"),
         ),
         Case(
             "schema not migrated",
@@ -256,6 +293,7 @@ async def test_invalid_settings_are_refused_in_one_line(tmp_path: Path) -> None:
 
 
 async def test_unusable_resources_are_reported_in_one_line(tmp_path: Path) -> None:
+    await bind_database(tmp_path / BOUND_DATABASE, BOUND_TOPIC)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -263,3 +301,8 @@ async def test_unusable_resources_are_reported_in_one_line(tmp_path: Path) -> No
         outcomes = await _run_table(cases, tmp_path, only_line=False)
     port_taken = next(o for o in outcomes if o.case.id == "HTTP port already taken")
     assert port_taken.seconds < 10, "a taken port must fail the start at once"
+    database = SqlDatabase.from_url(sqlite_url(tmp_path / BOUND_DATABASE))
+    try:  # refused and left alone: still bound to its topic
+        assert await bound_markers_topic(database) == BOUND_TOPIC
+    finally:
+        await database.close()

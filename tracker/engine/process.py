@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
-from tracker.clock import Clock, SystemClock
+from tracker.clock import Clock, SystemClock, to_millis
 from tracker.engine.connections import EngineConnections
 from tracker.engine.ingest import MarkerIngest
 from tracker.engine.parking import InvalidMarkerParker
@@ -36,6 +36,7 @@ from tracker.settings import TrackerSettings
 from tracker.store import StoreUnavailable
 from tracker.store.migrate import check_schema, database_errors, upgrade
 from tracker.store.redrive_leases import RedriveLeaseStore
+from tracker.store.topic_binding import bind_markers_topic
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +213,19 @@ class Tracker:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def prepare(self) -> None:
-        """Schema and topics: migrate if asked, refuse an outdated schema, create topics."""
+        """Schema and topics: migrate if asked, refuse an outdated schema or a database that
+        serves another markers topic, create topics."""
+        settings = self.settings
         async with database_errors(self.store.engine):
-            if self.settings.migrate_on_start:
+            if settings.migrate_on_start:
                 await upgrade(self.store.engine)
             await check_schema(self.store.engine)
+            await bind_markers_topic(
+                self.store,
+                settings.markers_topic,
+                by=settings.replica_id,
+                now_ms=to_millis(self.clock.now()),
+            )
         await prepare_tracker_topics(self.settings, self._client_config)
 
     async def start(self) -> None:

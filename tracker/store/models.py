@@ -10,6 +10,7 @@ from __future__ import annotations
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    CheckConstraint,
     Float,
     Index,
     Integer,
@@ -374,3 +375,21 @@ class ConsoleLogout(Base):
     expires_s: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
     __table_args__ = (Index("ix_console_logouts_expires", "expires_s"),)
+
+
+class MarkersTopicBinding(Base):
+    """The one markers topic this database serves (see ``tracker/store/topic_binding.py``).
+
+    One row at most: ``slot`` is always 1, so two processes that bind a fresh database at
+    once cannot both succeed with different topics.
+    """
+
+    __tablename__ = "markers_topic_binding"
+
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    markers_topic: Mapped[str] = mapped_column(String(249), nullable=False)
+    #: when it was bound (Unix ms), and by which tracker replica or API process
+    bound_ms: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    bound_by: Mapped[str] = mapped_column(String(255), nullable=False)
+
+    __table_args__ = (CheckConstraint("slot = 1", name="ck_markers_topic_binding_one_row"),)

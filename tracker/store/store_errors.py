@@ -47,3 +47,22 @@ class UnknownDeadLetters(KmqError):
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         super().__init__(f"no dead letters with ids {shown}{more}")
         self.missing = list(missing)
+
+
+class ServesAnotherMarkersTopic(KmqError):
+    """The database serves another markers topic (``tracker/store/topic_binding.py``)."""
+
+    def __init__(self, database: str, bound: str, bound_by: str, asked: str) -> None:
+        super().__init__(
+            f"the database {database} serves markers topic {bound!r} (bound by {bound_by}), "
+            f"not {asked!r}: one database serves one markers topic, since the tracked entries "
+            f"are keyed by markers partition. Point database_url at a database of its own, "
+            f"or, if {asked!r} replaces {bound!r} for good, move the database over with "
+            f"`kmq-tracker rebind-markers-topic --from {bound}`"
+        )
+        self.bound = bound
+        self.asked = asked
+
+
+class NotBoundToMarkersTopic(KmqError):
+    """A rebind named a markers topic the database does not serve."""

@@ -26,6 +26,7 @@ from .models import (
     DeadLetter,
     DeadLetterCount,
     MarkersPartition,
+    MarkersTopicBinding,
     TrackedCount,
     TrackedMessage,
     TrackedRangeRow,
@@ -40,6 +41,7 @@ dead_letters: Table = DeadLetter.__table__  # type: ignore[assignment]
 tracked_counts: Table = TrackedCount.__table__  # type: ignore[assignment]
 dead_letter_counts: Table = DeadLetterCount.__table__  # type: ignore[assignment]
 console_logouts: Table = ConsoleLogout.__table__  # type: ignore[assignment]
+markers_topic_binding: Table = MarkersTopicBinding.__table__  # type: ignore[assignment]
 
 #: The columns of a tracked range's key, in key order.
 RANGE_KEY_COLUMNS = (
