@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from support.sql_stores import empty_sql_store
 
 from tracker.store.database import SqlDatabase
 from tracker.store.migrate import upgrade
@@ -31,12 +32,8 @@ PAYMENTS = "payments-markers"
 
 @pytest.fixture
 async def database(database_url: str) -> AsyncIterator[SqlDatabase]:
-    database = SqlDatabase.from_url(database_url)
-    try:
-        await upgrade(database.engine)
-        yield database
-    finally:
-        await database.close()
+    async with empty_sql_store(database_url) as store:
+        yield store
 
 
 async def test_the_first_bind_records_the_topic_and_binding_it_again_is_allowed(

@@ -55,25 +55,22 @@ async def rebind_markers_topic(
     by mistake. A database bound to nothing yet is bound to ``new``."""
     b = markers_topic_binding.c
     async with database.transaction() as conn:
-        bound = await _bound(conn)
-        if bound is None:
-            await _insert(conn, database, new, by, now_ms)
-            return
-        if bound[0] != old:
-            raise NotBoundToMarkersTopic(
-                f"the database {_name(database)} serves markers topic {bound[0]!r}, not "
-                f"{old!r}: nothing changed"
-            )
         moved = await conn.execute(
             update(markers_topic_binding)
             .where(b.slot == _SLOT, b.markers_topic == old)
             .values(markers_topic=new, bound_ms=now_ms, bound_by=by)
         )
-        if moved.rowcount != 1:  # a concurrent rebind moved it first
-            raise NotBoundToMarkersTopic(
-                f"the database {_name(database)} was moved off markers topic {old!r} by "
-                f"another rebind: nothing changed"
-            )
+        if moved.rowcount == 1:
+            return
+        bound = await _bound(conn)  # after a concurrent rebind: the topic it moved it to
+        if bound is None:
+            await _insert(conn, database, new, by, now_ms)
+            bound = await _bound(conn)
+    if bound is not None and bound[0] != new:
+        raise NotBoundToMarkersTopic(
+            f"the database {_name(database)} serves markers topic {bound[0]!r}, not {old!r}: "
+            f"nothing changed"
+        )
 
 
 async def _bound(conn: AsyncConnection) -> tuple[str, str] | None:
