@@ -68,7 +68,7 @@ class TrackerSettings(BaseSettings):
         description=(
             "Extra aiokafka settings for the tracker's markers consumer only "
             "(e.g. session_timeout_ms, heartbeat_interval_ms, fetch_max_bytes). "
-            "fetch_max_wait_ms is 100 unless set here: the tracker acts on a deadline only "
+            "fetch_max_wait_ms is 25 unless set here: the tracker acts on a deadline only "
             "once a fetch response shows it has read every marker written before it."
         ),
     )

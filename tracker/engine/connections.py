@@ -24,12 +24,12 @@ from tracker.store import Store
 #: learns how far the log went from fetch responses: a broker that answers a long poll only
 #: when ``fetch_max_wait_ms`` runs out (the test broker does, mid-wait data or not) would hold
 #: that knowledge back by up to the wait, and on any broker an idle markers topic tells that
-#: nothing new was written only when the wait runs out. 100 ms bounds it; an idle tracker
-#: then sends ten small fetch requests a second per broker, which no broker notices. (25 ms
-#: cut the horizon's lag at p95 from ~130 to ~45 ms in the lateness bench, but on the test
-#: broker a START and its SETTLE then came in separate responses and were flushed apart
-#: instead of cancelling out: see docs/benchmarks.md.)
-MARKERS_FETCH: dict[str, Any] = {"fetch_max_wait_ms": 100}
+#: nothing new was written only when the wait runs out. 25 ms bounds it; an idle tracker
+#: then sends 40 small fetch requests a second per broker, which no broker notices. With
+#: 100 ms, the lateness bench's p99 after deadline + ``ack_grace`` was ~195 ms, with 25 ms
+#: ~55 ms (docs/benchmarks.md, change 51). A START and its SETTLE then come in separate
+#: responses, as they do on Kafka; the flush keeps them together (``flush_cut``).
+MARKERS_FETCH: dict[str, Any] = {"fetch_max_wait_ms": 25}
 
 
 def markers_fetch_options(

@@ -126,6 +126,7 @@ class MarkerIngest:
             clock=clock,
             metrics=metrics,
             coalesce_window=coalesce_window,
+            reach=self._flush_interval,
             waiting=self._waiting,
             ownership=self._ownership,
             listener=self._listener,

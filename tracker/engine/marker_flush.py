@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import islice
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -20,6 +21,7 @@ from aiokafka.structs import OffsetAndMetadata
 from tracker.clock import Clock, to_millis
 from tracker.domain.policy import PolicyLookup
 from tracker.engine.coalescing_index import CoalescingIndex
+from tracker.engine.flush_cut import cut
 from tracker.engine.ingest_health import IngestHealth
 from tracker.engine.markers_ownership import MarkersOwnership
 from tracker.engine.parking import InvalidMarkerParker
@@ -48,6 +50,7 @@ class MarkerFlush:
         clock: Clock,
         metrics: Metrics,
         coalesce_window: float,
+        reach: float,
         waiting: CoalescingIndex,
         ownership: MarkersOwnership,
         listener: IngestListener,
@@ -62,13 +65,16 @@ class MarkerFlush:
         self._clock = clock
         self._metrics = metrics
         self._window = coalesce_window
+        #: how far past the window's cut a flush may take batches to keep pairs together
+        self._reach = reach
         self._waiting = waiting
         self._ownership = ownership
         self._listener = listener
         self._health = health
 
     async def flush(self, *, force: bool, only: set[int] | None = None) -> None:
-        """Apply the markers that left the coalescing window (all of them if ``force``)."""
+        """Apply the markers that left the coalescing window (all of them if ``force``),
+        cut so that a START and its SETTLE go together (``tracker.engine.flush_cut``)."""
         cutoff = time.monotonic() - self._window
         batch: list[PendingMarker] = []
         progress: dict[int, PartitionProgress] = {}
@@ -76,12 +82,10 @@ class MarkerFlush:
         for partition, state in self._ownership.owned.items():
             if only is not None and partition not in only:
                 continue
-            n = 0  # whole polled batches: all of a batch arrived at once
-            for queued in state.pending:
-                if not force and queued.arrived > cutoff:
-                    break
+            # whole polled batches (all of a batch arrived at once), cut between pairs
+            n = len(state.pending) if force else cut(state.pending, cutoff, self._reach)
+            for queued in islice(state.pending, 0, n):
                 batch.extend(queued.markers)
-                n += 1
             if n < len(state.pending):
                 next_offset = state.pending[n].markers[0].markers_offset
             elif state.seen_next is not None:
