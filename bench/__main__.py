@@ -96,6 +96,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
         "redelivery": {
             "burst_messages": 800,
             "steady_rate": 200,
+            "steady_fast_rate": 400,
             "steady_seconds": 1.5,
             "stores": ("sqlite",),
             "min_lease_ms": 2_500,

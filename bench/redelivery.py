@@ -12,7 +12,9 @@
 * The tracker runs under the collector policy ``kmq-tracker run`` sets for its process, in both
   parts: what is measured is the product as it runs.
 * **(b) steady**: a process writes 1,000 STARTs/s (lease ``LEASE_MS``, never acked) for
-  ``steady_seconds``; a watcher reads the copies. End-to-end lateness per message = the copy's
+  ``steady_seconds``; then 10,000/s (``steady_fast_rate``), as v1 STARTs and as v2
+  RANGE_STARTs (one per partition every 10 ms, what a v2 consumer writes per fetched batch);
+  a watcher reads the copies. End-to-end lateness per message = the copy's
   record timestamp - (the START record's timestamp + lease). The tracker deliberately waits
   ``ack_grace`` after a deadline (an ACK written just before the deadline may still be on its
   way), so lateness is reported after the deadline and after deadline + ``ack_grace``; the
@@ -23,7 +25,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import time
@@ -194,13 +195,22 @@ async def burst(
 
 
 def _paced_starts(
-    bootstrap: str, markers: str, queue: str, rate: int, seconds: float, lease_ms: int
+    bootstrap: str,
+    markers: str,
+    queue: str,
+    rate: int,
+    seconds: float,
+    lease_ms: int,
+    ranges: bool = False,
 ) -> None:
-    """Child process: ``rate`` STARTs/s with explicit record timestamps, offsets in order."""
+    """Child process: ``rate`` STARTs/s with explicit record timestamps, offsets in order.
+
+    ``ranges``: every 10 ms tick, one RANGE_START per partition over the offsets it owes.
+    """
 
     async def main() -> None:
         from tracker.partitioning import marker_key, markers_partition  # noqa: PLC0415
-        from tracker.protocol import encode_marker  # noqa: PLC0415
+        from tracker.protocol import encode_any  # noqa: PLC0415
 
         producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
         await producer.start()
@@ -213,20 +223,36 @@ def _paced_starts(
             futures = []
             while time.monotonic() - started < seconds:
                 owed += rate * tick
-                while owed >= 1:
-                    p, o = n % PARTITIONS, n // PARTITIONS
-                    marker = mk.start(queue, p, o, lease_ms)
+                due = int(owed)
+                owed -= due
+                # message n is offset n // PARTITIONS of partition n % PARTITIONS
+                spans = [
+                    (p, o, o)
+                    for p, o in ((m % PARTITIONS, m // PARTITIONS) for m in range(n, n + due))
+                ]
+                if ranges:
+                    first: dict[int, int] = {}
+                    last: dict[int, int] = {}
+                    for p, o, _ in spans:
+                        first.setdefault(p, o)
+                        last[p] = o
+                    spans = [(p, first[p], last[p]) for p in first]
+                n += due
+                for p, low, high in spans:
+                    marker = (
+                        mk.range_start(queue, p, low, high, lease_ms)
+                        if ranges
+                        else mk.start(queue, p, low, lease_ms)
+                    )
                     futures.append(
                         await producer.send(
                             markers,
-                            value=encode_marker(marker),
+                            value=encode_any(marker),
                             key=marker_key(queue, p),
                             partition=markers_partition(queue, p, PARTITIONS),
                             timestamp_ms=int(time.time() * 1000),
                         )
                     )
-                    n += 1
-                    owed -= 1
                 next_tick += tick
                 await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
             await asyncio.gather(*futures)
@@ -236,9 +262,45 @@ def _paced_starts(
     asyncio.run(main())
 
 
+def _watch(bootstrap: str, markers: str, retry: str, counts: Any, stop: Any, results: Any) -> None:
+    """Child process: read the STARTs (per message they put in flight) and the copies (per
+    origin) with their record timestamps, keep ``counts`` up to date, and send both maps
+    through ``results`` once ``stop`` is set."""
+
+    async def main() -> None:
+        starts: dict[MessageId, int] = {}
+        copies: dict[MessageId, int] = {}
+        done = asyncio.Event()
+
+        async def follow() -> None:
+            while not stop.is_set():
+                counts[0], counts[1] = len(starts), len(copies)
+                await asyncio.sleep(0.05)
+            done.set()
+
+        await asyncio.gather(
+            read_timestamps(bootstrap, markers, starts, _started, done),
+            read_timestamps(bootstrap, retry, copies, _copied, done),
+            follow(),
+        )
+        results.send((starts, copies))
+
+    asyncio.run(main())
+
+
+def _started(record: Any) -> list[MessageId]:
+    return mk_origins(record.value)
+
+
+def _copied(record: Any) -> list[MessageId]:
+    return [copy_origin(record.headers)]
+
+
 async def read_timestamps(
-    bootstrap: str, topic: str, out: dict[Any, int], key_of: Any, stop: asyncio.Event
+    bootstrap: str, topic: str, out: dict[Any, int], keys_of: Any, stop: asyncio.Event
 ) -> None:
+    """Record each record's timestamp under every key ``keys_of(record)`` gives, until
+    ``stop``."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
@@ -250,7 +312,8 @@ async def read_timestamps(
             fetched = await consumer.getmany(timeout_ms=100)
             for records in fetched.values():
                 for r in records:
-                    out[key_of(r)] = r.timestamp
+                    for key in keys_of(r):
+                        out[key] = r.timestamp
     finally:
         await consumer.stop()
 
@@ -294,52 +357,45 @@ def _phases_note(phases: dict[str, float]) -> str:
     return ", ".join(f"{p} {phases[p]:.1f}" for p in PHASES) + " ms per round"
 
 
-async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[str, Any]:
+async def steady(
+    infra: Infra, store: str, rate: int, seconds: float, *, ranges: bool = False
+) -> dict[str, Any]:
     bootstrap = infra.bootstrap
     queue = await create_topic(bootstrap, unique("bench-s3b-queue"), PARTITIONS)
     retry = await create_topic(bootstrap, unique("bench-s3b-retry"), PARTITIONS)
     markers = await create_topic(bootstrap, unique("bench-s3b-markers"), PARTITIONS)
     expected = int(rate * seconds)
-    starts: dict[Any, int] = {}
-    copies: dict[Any, int] = {}
-    stop = asyncio.Event()
+    spawn = multiprocessing.get_context("spawn")
+    stop = spawn.Event()
+    counts = spawn.Array("q", 2)  # (messages started, copies) the watcher has read
+    results, sent = spawn.Pipe(duplex=False)
     try:
         await mk.fill_queue(bootstrap, queue, PARTITIONS, expected // PARTITIONS + rate, SIZE)
         tracker = _tracker(infra, infra.database_url(store, unique("s3b")), markers, retry)
         # The collector policy `kmq-tracker run` sets for its process (tracker.gc_policy).
         with gc_policy(tracker.settings.gc_gen0_threshold):
             await tracker.start()
-            readers: list[asyncio.Task[None]] = []
+            watcher: Any = None
             try:
                 await wait_until(
                     lambda: len(tracker.ingest.owned_epochs()) == PARTITIONS, 60, "partitions"
                 )
                 await asyncio.sleep(1.0)  # let ingest record that it is caught up
-                readers = [
-                    asyncio.create_task(
-                        read_timestamps(
-                            bootstrap,
-                            markers,
-                            starts,
-                            lambda r: (r.partition, mk_origin(r.value)),
-                            stop,
-                        )
-                    ),
-                    asyncio.create_task(
-                        read_timestamps(
-                            bootstrap, retry, copies, lambda r: (-1, copy_origin(r.headers)), stop
-                        )
-                    ),
-                ]
-                process = multiprocessing.get_context("spawn").Process(
+                # The watcher reads the STARTs and the copies in a process of its own: in the
+                # tracker's, reading 10,000 of each a second took CPU from the loop it times.
+                watcher = spawn.Process(
+                    target=_watch, args=(bootstrap, markers, retry, counts, stop, sent), daemon=True
+                )
+                watcher.start()
+                process = spawn.Process(
                     target=_paced_starts,
-                    args=(bootstrap, markers, queue, rate, seconds, LEASE_MS),
+                    args=(bootstrap, markers, queue, rate, seconds, LEASE_MS, ranges),
                     daemon=True,
                 )
                 process.start()
                 await asyncio.to_thread(process.join, seconds + 60)
                 await wait_until(
-                    lambda: len(copies) >= len(starts) > 0, LEASE_MS / 1000 + 60, "all copies", 0.1
+                    lambda: counts[1] >= counts[0] > 0, LEASE_MS / 1000 + 60, "all copies", 0.1
                 )
                 histogram = tracker.metrics.redelivery_lateness
                 tracker_p50 = _histogram_quantile(histogram, 0.5)
@@ -349,17 +405,20 @@ async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[st
                 phases = _phase_means_ms(tracker.metrics)
             finally:
                 stop.set()
-                for task in readers:
-                    with contextlib.suppress(Exception):
-                        await task
+                starts: dict[Any, int] = {}
+                copies: dict[Any, int] = {}
+                if watcher is not None:
+                    if await asyncio.to_thread(results.poll, 60):
+                        starts, copies = results.recv()
+                    await asyncio.to_thread(watcher.join, 10)
                 await tracker.close()
     finally:
         await delete_topics(bootstrap, [queue, retry, markers])
-    by_origin = {origin: ts for (_, origin), ts in starts.items()}
+    by_origin = starts
     lateness = [
-        (copies[(-1, origin)] - (ts + LEASE_MS)) / 1000
+        (copies[origin] - (ts + LEASE_MS)) / 1000
         for origin, ts in by_origin.items()
-        if (-1, origin) in copies
+        if origin in copies
     ]
     grace = ACK_GRACE.total_seconds()
     return {
@@ -378,12 +437,14 @@ async def steady(infra: Infra, store: str, rate: int, seconds: float) -> dict[st
     }
 
 
-def mk_origin(value: bytes) -> MessageId:
+def mk_origins(value: bytes) -> list[MessageId]:
+    """The messages a START (v1) or RANGE_START (v2) the bench wrote puts in flight."""
     from tracker.protocol import Marker, decode_marker  # noqa: PLC0415
 
     marker = decode_marker(value)
-    assert isinstance(marker, Marker), "the bench writes v1 markers"
-    return marker.origin
+    if isinstance(marker, Marker):
+        return [marker.origin]
+    return list(marker.messages())
 
 
 def copy_origin(headers: Any) -> MessageId:
@@ -398,6 +459,7 @@ async def run(
     *,
     burst_messages: int = 100_000,
     steady_rate: int = 1000,
+    steady_fast_rate: int = 10_000,
     steady_seconds: float = 15.0,
     stores: tuple[str, ...] = ("sqlite", "postgres"),
     min_lease_ms: int = 5_000,
@@ -489,6 +551,24 @@ async def run(
                 s["redelivery_round_mean_ms"],
                 "ms",
                 note=f"{s['redelivery_rounds']} rounds; {_phases_note(s['phase_mean_ms'])}",
+            )
+        )
+    for store, ranges in [(store, ranges) for store in stores for ranges in (False, True)]:
+        s = await steady(infra, store, steady_fast_rate, steady_seconds, ranges=ranges)
+        s.pop("samples_ms")
+        label = f"{store}, {steady_fast_rate:,}/s" + (" v2 ranges" if ranges else " v1")
+        result.data[f"steady_{store}_{steady_fast_rate}" + ("_ranges" if ranges else "")] = s
+        g = s["after_deadline_plus_grace"]
+        result.add(
+            Figure(
+                f"(b) {label}: p99 lateness after deadline + ack_grace",
+                g["p99_ms"],
+                "ms",
+                100,
+                "<=",
+                note=f"p50 {g['p50_ms']:.0f} ms; {s['copies']:,} of {s['starts']:,} copies; "
+                f"mean wake-up {s['wake_mean_ms']:.0f} ms, mean round "
+                f"{s['redelivery_round_mean_ms']:.0f} ms ({s['redelivery_rounds']} rounds)",
             )
         )
     return result
