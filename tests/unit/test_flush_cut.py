@@ -148,3 +148,28 @@ def test_nothing_moves_the_cut_when_the_window_took_nothing_or_everything_or_rea
     assert cut(pending, CUTOFF - 1, REACH) == 0
     assert cut(pending, CUTOFF + 1, REACH) == 2
     assert cut(pending, CUTOFF, 0.0) == 1
+
+
+def test_the_cut_looks_at_a_bounded_number_of_markers_and_keeps_the_time_cut_past_it() -> None:
+    # A v1 consumer at full speed: batches of many markers. Looking through all of them at
+    # every flush blocked the event loop for tens of ms, so past the budget the time cut holds.
+    many: list[Marker | RangeMarker] = [m for o in range(100, 105) for m in (start(o), ack(o))]
+    pending = queue(
+        (CUTOFF - 0.01, [range_start(0, 9)]),
+        (CUTOFF + 0.02, many),
+        (CUTOFF + 0.03, [range_settle(0, 9)]),
+    )
+    assert cut(pending, CUTOFF, REACH, budget=100) == 3
+    assert cut(pending, CUTOFF, REACH, budget=5) == 1, "a batch after the cut is over budget"
+    pending = queue(
+        (CUTOFF - 0.01, [range_start(0, 9)]),
+        (CUTOFF + 0.03, [range_settle(0, 9), *many]),
+    )
+    assert cut(pending, CUTOFF, REACH, budget=100) == 2
+    assert cut(pending, CUTOFF, REACH, budget=5) == 1
+    before = queue(
+        (CUTOFF - 0.02, [range_start(0, 9), *many]),
+        (CUTOFF + 0.03, [range_settle(0, 9)]),
+    )
+    assert cut(before, CUTOFF, REACH, budget=100) == 2
+    assert cut(before, CUTOFF, REACH, budget=5) == 1, "the batch before the cut is over budget"
