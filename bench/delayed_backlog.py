@@ -199,7 +199,7 @@ async def probe_lateness(
     copies: dict[Any, int] = {}
     stop = asyncio.Event()
     reader = asyncio.create_task(
-        read_timestamps(bootstrap, retry, copies, lambda r: copy_origin(r.headers), stop)
+        read_timestamps(bootstrap, retry, copies, lambda r: [copy_origin(r.headers)], stop)
     )
     due: dict[Any, int] = {}
     try:

@@ -73,6 +73,9 @@ def settings_for(infra: Infra, database_url: str, markers_topic: str, **extra: A
         "migrate_on_start": True,
         "coalesce_window": COALESCE,
         "kafka_client_config": {},
+        # The HTTP API of a tracker in the bench's process on a free port: the bench must not
+        # need 8080 (another service on the machine had it once, and the run failed).
+        "http_port": 0,
     }
     values.update(extra)
     return TrackerSettings(**values)

@@ -28,6 +28,7 @@ import asyncio
 import logging
 import multiprocessing
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -297,7 +298,11 @@ def _copied(record: Any) -> list[MessageId]:
 
 
 async def read_timestamps(
-    bootstrap: str, topic: str, out: dict[Any, int], keys_of: Any, stop: asyncio.Event
+    bootstrap: str,
+    topic: str,
+    out: dict[Any, int],
+    keys_of: Callable[[Any], list[MessageId]],
+    stop: asyncio.Event,
 ) -> None:
     """Record each record's timestamp under every key ``keys_of(record)`` gives, until
     ``stop``."""

@@ -69,7 +69,9 @@ async def _main(settings_json: str, port: int) -> None:
     from tracker.settings import TrackerSettings  # noqa: PLC0415
 
     logging.basicConfig(level=logging.ERROR)
-    settings = TrackerSettings(**json.loads(settings_json))
+    # The replica's own HTTP service on a free port (the API is served on ``port`` below):
+    # the bench must not need 8080.
+    settings = TrackerSettings(**{"http_port": 0, **json.loads(settings_json)})
     apply_gc_policy(settings.gc_gen0_threshold)  # as `kmq-tracker run` does
     tracker = create_tracker(settings)
     stopping = asyncio.Event()
