@@ -465,6 +465,7 @@ async def run(
     burst_messages: int = 100_000,
     steady_rate: int = 1000,
     steady_fast_rate: int = 10_000,
+    steady_fast_ranges: tuple[bool, ...] = (False, True),
     steady_seconds: float = 15.0,
     stores: tuple[str, ...] = ("sqlite", "postgres"),
     min_lease_ms: int = 5_000,
@@ -558,7 +559,7 @@ async def run(
                 note=f"{s['redelivery_rounds']} rounds; {_phases_note(s['phase_mean_ms'])}",
             )
         )
-    for store, ranges in [(store, ranges) for store in stores for ranges in (False, True)]:
+    for store, ranges in [(store, ranges) for store in stores for ranges in steady_fast_ranges]:
         s = await steady(infra, store, steady_fast_rate, steady_seconds, ranges=ranges)
         s.pop("samples_ms")
         label = f"{store}, {steady_fast_rate:,}/s" + (" v2 ranges" if ranges else " v1")
