@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from itertools import islice
 from typing import cast
 
+from tracker.domain.entries import entry_key
 from tracker.engine.partition_reading import PendingBatch
 from tracker.protocol import Marker, MarkerKind
 from tracker.protocol_v2 import RangeKind, RangeMarker
@@ -118,7 +119,7 @@ class _OpenStarts:
 
     def _single(self, marker: Marker) -> None:
         kind = marker.kind
-        key = (marker.group, marker.origin_topic, marker.origin_partition, marker.origin_offset)
+        key = entry_key(marker)
         if kind is MarkerKind.START:
             self._singles.add(key)
         elif kind in _V1_SETTLING:
