@@ -208,7 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         merged = [fresh.pop(s["scenario"], s) for s in previous["scenarios"]]
         previous["scenarios"] = merged + list(fresh.values())
         previous.setdefault("updates", []).append(
-            {"date": document["date"], "seconds": document["seconds"], "scenarios": list(args.only)}
+            {
+                "date": document["date"],
+                "seconds": document["seconds"],
+                "scenarios": list(args.only),
+                "python_loop_us": info["python_loop_us"],
+            }
         )
         document = previous
     figures = [f for s in document["scenarios"] for f in s["figures"] if f["target"] is not None]

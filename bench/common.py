@@ -288,6 +288,21 @@ async def wait_until(
         await asyncio.sleep(interval)
 
 
+def python_loop_us() -> float:
+    """Microseconds for a fixed pure-Python loop (``sum(range(10_000))``, best of 5).
+
+    Why: the same VM has run Python more than 2x slower on one day than on another (the
+    unit suite in 135 s against 60 s), which moves every absolute figure and every CPU-bound
+    cell; the runs and re-runs of one results file record it, so that figures of different
+    days can be told apart from the code's own changes.
+    """
+    import timeit  # noqa: PLC0415
+
+    loops = 200
+    best = min(timeit.repeat("sum(range(10_000))", number=loops, repeat=5))
+    return round(best / loops * 1e6, 1)
+
+
 def machine() -> dict[str, Any]:
     import platform  # noqa: PLC0415
 
@@ -297,4 +312,5 @@ def machine() -> dict[str, Any]:
         "processor": platform.machine(),
         "cpus": os.cpu_count(),
         "loadavg_at_start": [round(x, 2) for x in load],
+        "python_loop_us": python_loop_us(),
     }

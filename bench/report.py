@@ -44,6 +44,12 @@ def table(document: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _speed(run: dict[str, Any]) -> str:
+    """The machine's Python speed at a run (``bench.common.python_loop_us``), if recorded."""
+    us = run.get("python_loop_us")
+    return "" if us is None else f"; a fixed Python loop took {us:g} us"
+
+
 def write_docs(document: dict[str, Any], docs: Path, source: Path, plots: list[Path]) -> None:
     """Replace the generated part of ``docs`` (create the page if it is missing)."""
     text = docs.read_text() if docs.exists() else _HEADER + BEGIN + "\n" + END + "\n"
@@ -59,12 +65,14 @@ def write_docs(document: dict[str, Any], docs: Path, source: Path, plots: list[P
         "",
         f"Run of {document['date']} (profile `{document['profile']}`, "
         f"{document['seconds']:.0f} s; {m['cpus']} CPUs, Python {m['python']}, "
-        f"load average at start {m['loadavg_at_start'][0]}; Kafka: {m.get('kafka', '?')}). "
+        f"load average at start {m['loadavg_at_start'][0]}{_speed(m)}; "
+        f"Kafka: {m.get('kafka', '?')}). "
         f"Raw results: [`{Path(rel).as_posix()}`]({Path(rel).as_posix()}). "
         f"**{summary['pass']} PASS, {summary['miss']} MISS.**",
         "",
         *[
-            f"Re-run of {', '.join(u['scenarios'])} on {u['date']} ({u['seconds']:.0f} s)."
+            f"Re-run of {', '.join(u['scenarios'])} on {u['date']} "
+            f"({u['seconds']:.0f} s{_speed(u)})."
             for u in document.get("updates", [])
         ],
         "",
@@ -254,8 +262,9 @@ def _plot_api(data: dict[str, Any], path: Path) -> None:
 
 def _plot_worker_pool(data: dict[str, Any], path: Path) -> None:
     """Throughput vs concurrency (log-log), one line per handler time, with the ideal
-    ``c / h`` (dotted), plain aiokafka with one consumer per partition (a square at its
-    ``partitions`` workers) and the no-op handler's rates (the CPU-bound maximum)."""
+    ``c / h`` (dotted), the event loop's own ceiling (dash-dotted), plain aiokafka with one
+    consumer per partition (a square at its ``partitions`` workers) and the no-op handler's
+    rates (the CPU-bound maximum)."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, ax = plt.subplots(figsize=(12, 5))
@@ -266,6 +275,17 @@ def _plot_worker_pool(data: dict[str, Any], path: Path) -> None:
         cs = sorted(int(c) for c in runs)
         ax.plot(cs, [runs[str(c)]["rate"] for c in cs], "o-", color=color, label=f"kmq, {h} ms")
         ax.plot(cs, [c / (float(h) / 1000) for c in cs], ":", color=color, label=f"ideal, {h} ms")
+        loops = (data.get("loop") or {}).get(h) or {}
+        alone = [c for c in cs if str(c) in loops]
+        if alone:
+            ax.plot(
+                alone,
+                [loops[str(c)]["rate"] for c in alone],
+                "-.",
+                color=color,
+                alpha=0.6,
+                label=f"the event loop alone (no Kafka), {h} ms",
+            )
         plain = data["plain"].get(h)
         if plain is not None:
             ax.plot(

@@ -13,6 +13,14 @@ that does nothing but ``await asyncio.sleep(h)``.
   ``partitions / h``, whatever the number of workers one would like.
 * **CPU-bound maximum**: ``run`` with a no-op handler (``await asyncio.sleep(0)``) at each
   concurrency: what one Python process gets through the client and the pool at all.
+* **The event loop's own ceiling**: ``c`` tasks that do nothing but call the same handler in a
+  loop, no Kafka, in this process, for each ``h`` and ``c`` (and for ``c`` = :data:`PARTITIONS`,
+  what the plain consumers' four workers could reach). asyncio's default loop on Linux waits in
+  ``epoll_wait``, whose timeout is rounded *up* to the millisecond, and wakes every timer that
+  fell due meanwhile in one batch, so ``asyncio.sleep(h)`` lasts longer the more sleepers share
+  the loop (20 ms: about 20.5 ms with 4 sleepers, 21.0 ms with 32; 1 ms: 1.16 ms alone, 1.59
+  ms with 32). No client on that loop can beat this ceiling; it says how much of the ideal's
+  miss is the pool's and how much the loop's.
 
 Each measurement uses a fresh group reading the backlog from the beginning. Throughput is
 handler completions per second in a window of ``max(window_s, window_handlers * h)`` that opens
@@ -65,7 +73,8 @@ CPU_BOUND_CORES = 0.9
 #: A run during which the machine was this busy (all cores) is bound by the machine.
 MACHINE_BOUND = 0.9
 #: Targets (the issue): ratio to the ideal ``c / h`` where neither CPU nor broker bounds it,
-#: and ratio to plain aiokafka at 20 ms from concurrency 32 on.
+#: and ratio to plain aiokafka at 20 ms from concurrency 32 on. The ratio to the event loop's
+#: own ceiling is held to the same 0.9.
 IDEAL_TARGET = 0.9
 PLAIN_TARGET = 8.0
 PLAIN_TARGET_HANDLER_MS = 20
@@ -346,8 +355,44 @@ async def plain_run(
 # -- the scenario -----------------------------------------------------------------------------
 
 
+async def loop_run(
+    *, handler_s: float, concurrency: int, warmup_s: float, window_s: float
+) -> dict[str, Any]:
+    """The event loop's own ceiling: ``concurrency`` tasks calling the handler back to back.
+
+    The same handler and the same measurement as the runs with Kafka, with nothing else on the
+    loop: the most any client could get from ``concurrency`` workers on this loop.
+    """
+    counter = Counter()
+    handler = counter.make_handler(handler_s)
+
+    async def work() -> None:
+        while True:
+            await handler(None)
+
+    tasks = [asyncio.create_task(work()) for _ in range(concurrency)]
+
+    def watch() -> None:
+        for task in tasks:
+            if task.done():
+                task.result()
+
+    try:
+        return await _measure(
+            counter, warmup_s=warmup_s, window_s=window_s, broker_pid=None, watch=watch
+        )
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _window(handler_s: float, window_s: float, window_handlers: float) -> float:
     return max(window_s, window_handlers * handler_s)
+
+
+def _tasks(count: int) -> str:
+    return "1 task" if count == 1 else f"{count} tasks"
 
 
 def _bound(run: dict[str, Any]) -> str | None:
@@ -381,6 +426,7 @@ async def run(
     window_s: float = 4.0,
     window_handlers: float = 40.0,
     noop: bool = True,
+    loop_ceiling: bool = True,
 ) -> ScenarioResult:
     result = ScenarioResult(
         "worker_pool", "6. Worker pool: KmqConsumer.run vs one aiokafka consumer per partition"
@@ -398,6 +444,7 @@ async def run(
         "noop": {},
         "plain": {},
         "kmq": {},
+        "loop": {},
     }
     result.data = data
     try:
@@ -427,6 +474,18 @@ async def run(
                 warmup_s=warmup_s,
                 broker_pid=broker_pid,
             )
+            if loop_ceiling:
+                loops: dict[str, Any] = {}
+                data["loop"][f"{h:g}"] = loops
+                for c in sorted({PARTITIONS, *concurrency}):
+                    loops[str(c)] = found = await loop_run(
+                        handler_s=h_s, concurrency=c, warmup_s=warmup_s, window_s=window
+                    )
+                    print(
+                        f"  {h:g} ms x {c}, the loop alone: {found['rate']:,.0f}/s "
+                        f"(handler {found['mean_handler_ms']:.3g} ms)",
+                        flush=True,
+                    )
             runs: dict[str, Any] = {}
             data["kmq"][f"{h:g}"] = runs
             for c in concurrency:
@@ -535,7 +594,33 @@ def _figures(
                     note=ideal_note,
                 )
             )
+            loops = data.get("loop", {}).get(f"{h:g}", {})
+            alone = loops.get(str(c))
+            if alone is not None:
+                run["ratio_loop"] = run["rate"] / alone["rate"]
+                result.add(
+                    Figure(
+                        f"{name}: / the event loop's own ceiling ({_tasks(c)}, no Kafka)",
+                        run["ratio_loop"],
+                        "x",
+                        IDEAL_TARGET if bound is None else None,
+                        ">=",
+                        note=(
+                            f"the loop alone: {alone['rate']:,.0f} msg/s, "
+                            f"handler {alone['mean_handler_ms']:.3g} ms"
+                        ),
+                    )
+                )
             judged = h == PLAIN_TARGET_HANDLER_MS and c >= PLAIN_TARGET_MIN_CONCURRENCY
+            plain_note = ""
+            four = loops.get(str(PARTITIONS))
+            if alone is not None and four is not None:
+                # The most any client on this loop could show: c sleepers against 4.
+                run["loop_ratio_plain"] = alone["rate"] / four["rate"]
+                plain_note = (
+                    f"the loop alone, {_tasks(c)} / {_tasks(PARTITIONS)}: "
+                    f"{run['loop_ratio_plain']:.3g}x"
+                )
             result.add(
                 Figure(
                     f"{name}: / plain aiokafka ({PARTITIONS} consumers)",
@@ -543,5 +628,6 @@ def _figures(
                     "x",
                     PLAIN_TARGET if judged else None,
                     ">=",
+                    note=plain_note,
                 )
             )

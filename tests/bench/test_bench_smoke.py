@@ -73,10 +73,14 @@ def test_every_scenario_runs_and_reports(kafka_bootstrap: str, tmp_path: Path) -
     assert pool["kmq"]
     for handler_ms, runs in pool["kmq"].items():
         assert handler_ms in pool["plain"]
+        # The event loop's own ceiling was measured at every concurrency and at the plain
+        # consumers' four workers, and every cell was set against it.
+        assert set(pool["loop"][handler_ms]) == {*runs, "4"}
         for run in runs.values():
             assert run["rate"] > 0
             assert run["stats"]["acked"] > 0
             assert run["bound"] in {None, "cpu", "machine"}
+            assert run["ratio_loop"] > 0
     summary = document["summary"]
     assert summary["pass"] + summary["miss"] == targeted
 
