@@ -539,6 +539,31 @@ async def test_a_revocation_drains_only_the_revoked_partitions() -> None:
     await task
 
 
+async def test_a_full_pool_takes_again_once_a_revocation_gave_its_waiting_messages_back() -> None:
+    """The take loop waits for room, not for a job to finish: a revocation that gives the
+    waiting messages back makes room while the one running handler goes on."""
+    source = FakeBatches()
+    source.add([b"a"], partition=1)
+    waiting = source.add([b"b", b"c"], partition=0)
+    gate = asyncio.Event()
+
+    async def handler(message: KmqMessage) -> None:
+        if message.partition == 1:
+            await gate.wait()
+
+    pool = pool_of(source, handler, concurrency=1, max_waiting=2)
+    task = asyncio.create_task(pool.run())
+    await until(lambda: pool.stats.most_in_progress == 1 and source._batches.empty())
+    source.add([b"d"], partition=1)
+    await pool.drain_partitions({(TOPIC, 0)}, 0.05)
+    assert all(m.settled is None for m in waiting)  # given back to the tracker, never run
+    # Without waiting for the running handler (or the 100 s keep-alive): the next batch.
+    await until(source._batches.empty, within=2.0, what="the next batch taken")
+    gate.set()
+    pool.request_stop()
+    await task
+
+
 async def test_a_handlers_base_exception_stops_the_pool_and_loses_nothing() -> None:
     source = FakeBatches()
     messages = source.add([b"a", b"b", b"c", b"d"])

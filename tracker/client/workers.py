@@ -79,7 +79,11 @@ class WorkerPool:
         self._workers: list[asyncio.Task[None]] = []
         #: idle workers, each waiting on its future for the next job (None: exit)
         self._idle: collections.deque[asyncio.Future[PoolJob | None]] = collections.deque()
-        self._wake = asyncio.Event()  #: a job finished, or a stop was asked for
+        #: The pool has room for another batch, or a stop was asked for: what the take loop
+        #: waits on while full. Set only when room appears, not at every finished job: a take
+        #: loop woken per job only to find the pool still full cost a task and a timer each.
+        self._room = asyncio.Event()
+        self._progress = asyncio.Event()  #: a job finished, or a stop was asked for
         self._stop = False
         self._dispatching = True
         self._fatal: BaseException | None = None
@@ -131,11 +135,11 @@ class WorkerPool:
     async def _take_batches(self) -> None:
         s = self._settings
         while not self._stop:
-            if self._lanes.ready >= s.concurrency or self._lanes.waiting >= s.max_waiting:
+            if not self._has_room():
                 # Full: take nothing (so nothing is fetched), but keep the membership.
-                self._wake.clear()
+                self._room.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), s.keepalive_s)
+                    await asyncio.wait_for(self._room.wait(), s.keepalive_s)
                 except TimeoutError:
                     await self._source.keep_alive()
                 continue
@@ -169,7 +173,8 @@ class WorkerPool:
     def request_stop(self) -> None:
         """Take nothing more; :meth:`run` drains and returns."""
         self._stop = True
-        self._wake.set()
+        self._room.set()
+        self._progress.set()
 
     @property
     def drain_s(self) -> float:
@@ -249,7 +254,14 @@ class WorkerPool:
         job.lease.left -= 1
         self._lanes.done(job)
         self._dispatch()  # the lane's next job may be ready for an idle worker
-        self._wake.set()
+        self._progress.set()
+        if not self._room.is_set() and self._has_room():
+            self._room.set()
+
+    def _has_room(self) -> bool:
+        """Whether the take loop may take the next batch (see the module docstring)."""
+        lanes, s = self._lanes, self._settings
+        return lanes.ready < s.concurrency and lanes.waiting < s.max_waiting
 
     # -- one message ----------------------------------------------------------------------
 
@@ -386,15 +398,17 @@ class WorkerPool:
             left = deadline - loop.time()
             if left <= 0:
                 break
-            self._wake.clear()
+            self._progress.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), left)
+                await asyncio.wait_for(self._progress.wait(), left)
         given_back = self._lanes.remove(matches)
         if given_back:
             log.info("gave %d waiting messages back to the tracker", len(given_back))
             self._leases.release(given_back)
             for job in given_back:
                 job.lease.left -= 1
+            if self._has_room():
+                self._room.set()  # a revocation's drain: the take loop goes on
         if not abandon:
             return
         self._dispatching = False
