@@ -292,9 +292,11 @@ def python_loop_us() -> float:
     """Microseconds for a fixed pure-Python loop (``sum(range(10_000))``, best of 5).
 
     Why: the same VM has run Python more than 2x slower on one day than on another (the
-    unit suite in 135 s against 60 s), which moves every absolute figure and every CPU-bound
-    cell; the runs and re-runs of one results file record it, so that figures of different
-    days can be told apart from the code's own changes.
+    unit suite in 135 s against 60 s), and within a sitting this loop has taken from 166 to
+    304 us a minute apart; that moves every absolute figure and every CPU-bound cell. The runs
+    and re-runs of one results file record it at their start, so that figures of different
+    sittings can be told apart from the code's own changes (a snapshot, not a guarantee for
+    the whole run).
     """
     import timeit  # noqa: PLC0415
 
