@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -332,14 +333,12 @@ async def plain_run(
                     await consumer.commit()
 
         tasks = [asyncio.create_task(consume(c)) for c in consumers]
-
-        def watch() -> None:
-            for task in tasks:
-                if task.done():
-                    task.result()
-
         figures = await _measure(
-            counter, warmup_s=warmup_s, window_s=window_s, broker_pid=broker_pid, watch=watch
+            counter,
+            warmup_s=warmup_s,
+            window_s=window_s,
+            broker_pid=broker_pid,
+            watch=functools.partial(_raise_if_ended, tasks),
         )
         figures["rebalanced"] = assigned != [
             sorted(tp.partition for tp in c.assignment()) for c in consumers
@@ -371,20 +370,25 @@ async def loop_run(
             await handler(None)
 
     tasks = [asyncio.create_task(work()) for _ in range(concurrency)]
-
-    def watch() -> None:
-        for task in tasks:
-            if task.done():
-                task.result()
-
     try:
         return await _measure(
-            counter, warmup_s=warmup_s, window_s=window_s, broker_pid=None, watch=watch
+            counter,
+            warmup_s=warmup_s,
+            window_s=window_s,
+            broker_pid=None,
+            watch=functools.partial(_raise_if_ended, tasks),
         )
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _raise_if_ended(tasks: list[asyncio.Task[None]]) -> None:
+    """A ``watch`` for :func:`_measure`: raise what a task that should run forever raised."""
+    for task in tasks:
+        if task.done():
+            task.result()
 
 
 def _window(handler_s: float, window_s: float, window_handlers: float) -> float:

@@ -255,13 +255,17 @@ class WorkerPool:
         self._lanes.done(job)
         self._dispatch()  # the lane's next job may be ready for an idle worker
         self._progress.set()
-        if not self._room.is_set() and self._has_room():
-            self._room.set()
+        self._wake_taker_if_room()
 
     def _has_room(self) -> bool:
         """Whether the take loop may take the next batch (see the module docstring)."""
         lanes, s = self._lanes, self._settings
         return lanes.ready < s.concurrency and lanes.waiting < s.max_waiting
+
+    def _wake_taker_if_room(self) -> None:
+        """Wake the take loop if it waits for room and there is some now."""
+        if not self._room.is_set() and self._has_room():
+            self._room.set()
 
     # -- one message ----------------------------------------------------------------------
 
@@ -407,8 +411,7 @@ class WorkerPool:
             self._leases.release(given_back)
             for job in given_back:
                 job.lease.left -= 1
-            if self._has_room():
-                self._room.set()  # a revocation's drain: the take loop goes on
+            self._wake_taker_if_room()  # a revocation's drain: the take loop goes on
         if not abandon:
             return
         self._dispatching = False
