@@ -945,6 +945,48 @@ async def test_a_claimed_range_follows_the_markers_of_its_round_as_v1_entries_wo
         await assert_counters_match(store.engine)
 
 
+async def test_a_batch_of_v1_starts_is_stored_claimed_and_marked_as_a_range(
+    store: TrackerStore,
+) -> None:
+    """v1 STARTs of one batch (same timestamp, lease, consumer) are kept as one range: one row
+    for the store, one claim for redelivery; every message reads as the entry its START
+    made, and a message marked lost leaves the range for an entry of its own."""
+    epochs = await claim(store)
+    starts = [
+        pending(Marker.start(GROUP, msg(o), timeout_ms=1_000, consumer="c-1"), T0, o)
+        for o in range(100, 150)
+    ]
+    await apply(store, epochs, starts)
+    [run] = await store.list_ranges()
+    assert (run.base_offset, run.last_offset, run.open_count, run.due_at_ms) == (
+        100,
+        149,
+        50,
+        T0 + 1_000,
+    )
+    assert await store.count_entries(State.IN_FLIGHT) == 50
+    entry = await store.get_entry(key(120))
+    assert entry is not None
+    assert (entry.attempt, entry.consumer, entry.due_at_ms, entry.copy_offset) == (
+        1,
+        "c-1",
+        T0 + 1_000,
+        120,
+    )
+
+    await store.mark_lost([(key(120), "retention")], T0 + 10)
+    lost = await store.get_entry(key(120))
+    assert lost is not None
+    assert (lost.state, lost.reason) == (State.LOST, "retention")
+    assert sum(t.open_count for t in await store.list_ranges()) == 49
+    assert await store.count_entries(State.IN_FLIGHT) == 49
+
+    claimed, _ = await claim_due(store, epochs, T0 + 1_000, "round", limit=100)
+    assert [e.origin_offset for e in claimed] == [o for o in range(100, 150) if o != 120]
+    if isinstance(store, Store):
+        await assert_counters_match(store.engine)
+
+
 async def test_a_due_range_is_claimed_as_a_range_not_an_entry_per_offset(
     store: TrackerStore,
 ) -> None:
@@ -953,6 +995,8 @@ async def test_a_due_range_is_claimed_as_a_range_not_an_entry_per_offset(
     offsets claimed and the rest left due for the next claim."""
     epochs = await claim(store)
     await start(store, epochs, 40, timeout_ms=1_000)
+    # Extended on its own: a diverged offset, kept as a per-message entry.
+    await apply(store, epochs, [pending(Marker.extend(GROUP, msg(40), timeout_ms=1_000), T0, 41)])
     batch = RangeMarker.start(GROUP, TOPIC, 0, 0, 9, exceptions=0b100, timeout_ms=2_000)
     await apply(store, epochs, [pending(batch, T0, 5)])
     taken = await store.claim_due_ranges(

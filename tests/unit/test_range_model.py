@@ -8,6 +8,9 @@ or due time, consumer, times, reason; hence the same redelivery and dead-letter 
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -167,6 +170,102 @@ def test_a_start_and_its_ack_on_nothing_make_no_entry() -> None:
         state, [LaneMarker(m, 1000 + i, MARKERS_PARTITION) for i, m in enumerate(steps)], policy
     )
     assert (state.entries, state.ranges, anomalies) == ({}, [], [])
+
+
+def _v1_starts(
+    offsets: range | list[int], ref_of: dict[int, int] | None = None
+) -> list[tuple[AnyMarker, int]]:
+    return [
+        (
+            Marker.start(GROUP, MessageId(TOPIC, PARTITION, o), timeout_ms=2_000, consumer="c1"),
+            (ref_of or {}).get(o, 1000),
+        )
+        for o in offsets
+    ]
+
+
+def test_v1_starts_of_one_batch_are_kept_as_one_range() -> None:
+    """A v1 consumer STARTs its batch message by message, but the markers share their
+    timestamp, lease and consumer: the store keeps them as one range (one row, one claim),
+    standing for exactly the entries the STARTs make one by one."""
+    steps = _v1_starts(range(100, 600))
+    state = LaneState({}, [])
+    fold_lane(state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in steps], policy)
+    check_state(state)
+    assert state.entries == {}
+    [run] = state.ranges
+    assert (run.base_offset, run.last_offset, run.open_count) == (100, 599, 500)
+    assert expand(state) == reference(steps)
+
+
+def test_a_v1_start_that_differs_begins_a_new_range_and_late_ones_stay_entries() -> None:
+    """A new range where the timestamp (or lease, or consumer) changes; a START below the
+    lane's ranges (out of order) or of a redelivered copy is a per-message entry, as before."""
+    steps = _v1_starts([10, 11, 12, 13, 14, 15], {13: 1001, 14: 1001, 15: 1001})
+    steps += _v1_starts([5])  # below the ranges: folded one by one
+    copy = Marker.start(
+        GROUP, MessageId(TOPIC, 0, 900), attempt=2, origin=MessageId(TOPIC, PARTITION, 20)
+    )
+    steps.append((copy, 1002))
+    state = LaneState({}, [])
+    fold_lane(state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in steps], policy)
+    check_state(state)
+    assert [(t.base_offset, t.open_count, t.first_seen_ms) for t in state.ranges] == [
+        (10, 3, 1000),
+        (13, 3, 1001),
+    ]
+    assert sorted(state.entries) == [5, 20]
+    assert expand(state) == reference(steps)
+
+
+def test_acks_after_a_run_of_v1_starts_settle_its_offsets_one_by_one() -> None:
+    """The ACKs of another flush find their offsets in the run's range: each leaves it."""
+    starts = _v1_starts(range(8))
+    state = LaneState({}, [])
+    fold_lane(state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in starts], policy)
+    acks: list[tuple[AnyMarker, int]] = [
+        (Marker.ack(GROUP, MessageId(TOPIC, PARTITION, o)), 1500) for o in (0, 1, 5)
+    ]
+    state = LaneState({}, [replace(t) for t in state.ranges])  # as the next flush loads it
+    anomalies = fold_lane(
+        state,
+        [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in acks],
+        policy,
+    )
+    check_state(state)
+    assert anomalies == []
+    assert [list(t.offsets()) for t in state.ranges] == [[2, 3, 4, 6, 7]]
+    assert expand(state) == reference(starts + acks)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_markers_in_any_order_find_their_offsets_among_many_runs(rng: random.Random) -> None:
+    """Runs of v1 STARTs with a timestamp each (forty ranges), then ACKs, EXTENDs and a
+    range START over some of them in any order: every marker finds its offset's range."""
+    starts = _v1_starts(range(200), {o: 1000 + o // 5 for o in range(200)})
+    state = LaneState({}, [])
+    fold_lane(state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in starts], policy)
+    assert len(state.ranges) == 40
+    later: list[tuple[AnyMarker, int]] = []
+    for offset in rng.sample(range(200), 120):
+        message = MessageId(TOPIC, PARTITION, offset)
+        kind = rng.choice(["ack", "ack", "extend"])
+        marker = (
+            Marker.ack(GROUP, message)
+            if kind == "ack"
+            else Marker.extend(GROUP, message, timeout_ms=9_000)
+        )
+        later.append((marker, 5000))
+    first = rng.randrange(0, 190)
+    later.insert(
+        rng.randrange(len(later)),
+        (RangeMarker.start(GROUP, TOPIC, PARTITION, first, first + 9, consumer="c2"), 5000),
+    )
+    state = LaneState({}, [replace(t) for t in state.ranges])
+    fold_lane(state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in later], policy)
+    check_state(state)
+    assert expand(state) == reference(starts + later)
 
 
 def test_a_start_and_its_ack_of_an_older_attempt_are_both_stale() -> None:

@@ -24,6 +24,7 @@ offset), so the first offset identifies a range within its lane.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, cast
@@ -33,7 +34,7 @@ from tracker.domain.policy import PolicyLookup
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker, MarkerKind
-from tracker.protocol_v2 import RangeKind, RangeMarker
+from tracker.protocol_v2 import MAX_RANGE_WIDTH, RangeKind, RangeMarker
 
 
 class FoldInput(Protocol):
@@ -67,11 +68,79 @@ class LaneState:
     """What the store knows of one lane, as far as a flush's markers can touch it.
 
     ``entries``: per-message entries by origin offset; ``None`` marks one deleted by the fold
-    (a row to delete if it was loaded). ``ranges``: the lane's ranges, normalized, disjoint.
+    (a row to delete if it was loaded). ``ranges``: the lane's ranges, normalized, disjoint;
+    added to with :meth:`add`, looked up with :meth:`holder`.
     """
 
     entries: dict[int, Entry | None]
     ranges: list[TrackedRange]
+    #: No range holds an offset above this (an upper bound of the ranges' last offsets): a
+    #: marker past it needs no lookup at all.
+    horizon: int = field(init=False)
+    #: The range the last v1 START of this fold went into: the next one may join it.
+    run: TrackedRange | None = field(init=False, default=None)
+    #: The range that held the last offset looked up: markers of one batch come in offset
+    #: order, so the next one is usually in it too.
+    hint: TrackedRange | None = field(init=False, default=None)
+    #: ``ranges`` sorted by first offset as they were when sorted, with the running maximum
+    #: of their last offsets (None: sort again before the next lookup). A range's open bits
+    #: only shrink once it is in ``ranges`` (a run's grow, see :meth:`grown`), so the spans
+    #: sorted stay supersets of the spans now; a range that left ``ranges`` holds nothing.
+    _sorted: list[TrackedRange] | None = field(init=False, default=None)
+    _firsts: list[int] = field(init=False, default_factory=list)
+    _reach: list[int] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.horizon = max((t.last_offset for t in self.ranges), default=-1)
+
+    def add(self, tracked: TrackedRange) -> None:
+        """Put a new range (normalized, no open offset shared) into the lane."""
+        self.ranges.append(tracked)
+        self.horizon = max(self.horizon, tracked.last_offset)
+        self._sorted = None
+
+    def grown(self, tracked: TrackedRange) -> None:
+        """``tracked`` (in the lane) got open offsets above every range's."""
+        self.horizon = tracked.last_offset
+        found = self._sorted
+        if found and found[-1] is tracked:
+            self._reach[-1] = max(self._reach[-1], tracked.last_offset)
+        else:
+            self._sorted = None
+
+    def holder(self, offset: int) -> TrackedRange | None:
+        """The range holding ``offset``, if any.
+
+        A look at the last range found, then a binary search: a flush of many runs of v1
+        STARTs makes a range each, and a scan of the lane's ranges per marker made the ACKs
+        that follow them quadratic (54 us per marker over a thousand ranges, out of order).
+        """
+        if offset > self.horizon:
+            return None
+        hint = self.hint
+        if hint is not None and hint.holds(offset):
+            return hint
+        found = self._sorted
+        if found is None:
+            found = self._sorted = sorted(self.ranges, key=_first_offset)
+            self._firsts = [t.base_offset for t in found]
+            reach, top = [], -1
+            for tracked in found:
+                top = max(top, tracked.last_offset)
+                reach.append(top)
+            self._reach = reach
+        i = bisect.bisect_right(self._firsts, offset) - 1
+        while i >= 0 and self._reach[i] >= offset:
+            tracked = found[i]
+            if tracked.holds(offset):
+                self.hint = tracked
+                return tracked
+            i -= 1
+        return None
+
+
+def _first_offset(tracked: TrackedRange) -> int:
+    return tracked.base_offset
 
 
 def lane_of(marker: AnyMarker) -> LaneKey:
@@ -152,7 +221,7 @@ def settled_starts(markers: Sequence[FoldInput]) -> dict[int, int]:
 def _holds_nothing(state: LaneState, offset: int) -> bool:
     if state.entries.get(offset) is not None:
         return False
-    return not state.ranges or _holder(state, offset) is None
+    return not state.ranges or state.holder(offset) is None
 
 
 @dataclass(slots=True)
@@ -214,13 +283,6 @@ def fold_lane_changes(
     return changes
 
 
-def _holder(state: LaneState, offset: int) -> TrackedRange | None:
-    for tracked in state.ranges:
-        if tracked.holds(offset):
-            return tracked
-    return None
-
-
 def _take_from_range(state: LaneState, tracked: TrackedRange, offset: int) -> Entry:
     """Split ``offset`` out of ``tracked`` into a per-message entry (divergence)."""
     entry = tracked.entry_at(offset)
@@ -238,13 +300,78 @@ def _fold_single(
     offset = marker.origin_offset
     entry = state.entries.get(offset)
     if entry is None:
-        tracked = _holder(state, offset)
+        if offset > state.horizon and _first_delivery_start(marker):
+            _start_in_run(state, marker, item, policy_for)
+            return None
+        tracked = state.holder(offset)
         if tracked is not None:
             entry = _take_from_range(state, tracked, offset)
     after, why = apply_marker(entry, marker, item.ref_ms, item.markers_partition, policy_for)
     if after is not None or offset in state.entries or entry is not None:
         state.entries[offset] = after
     return why
+
+
+def _first_delivery_start(marker: Marker) -> bool:
+    """A v1 START of a first delivery (attempt 1, the record is its own origin): the entry it
+    makes is exactly what a range stands for at its offset (``TrackedRange.entry_at``)."""
+    return (
+        marker.kind is MarkerKind.START
+        and marker.attempt == 1
+        and marker.offset == marker.origin_offset
+        and marker.partition == marker.origin_partition
+        and marker.topic == marker.origin_topic
+    )
+
+
+def _start_in_run(
+    state: LaneState, marker: Marker, item: FoldInput, policy_for: PolicyLookup
+) -> None:
+    """A v1 START of a first delivery on an offset past every range: kept in a range.
+
+    A v1 consumer STARTs its batch one message at a time, but the markers of one batch share
+    their timestamp (one produce batch: the broker's time with ``LogAppendTime``, the
+    producer's millisecond otherwise), their lease and their consumer, so the entries they
+    make differ only by offset: exactly what one range stands for. The START joins the range
+    the START before it went into when everything but the offset is equal, and starts a new
+    range otherwise. Nothing the tracker does depends on the representation (the property
+    tests of ``tests/unit/test_range_model.py``), but the store then writes, claims and
+    redelivers a run of v1 STARTs as one row, as it does a v2 RANGE_START: per batch, not
+    per message. Only STARTs past every range (``state.horizon``) join, so none needs a look
+    through the lane's ranges and the bits of a run only grow upwards (it stays normalized).
+    """
+    offset = marker.origin_offset
+    ref = item.ref_ms
+    due = ref + (marker.timeout_ms or policy_for(marker.origin_topic).processing_timeout_ms)
+    run = state.run
+    if (
+        run is not None
+        and run.open_bits  # still in the lane (a range leaves it only when emptied)
+        and run.due_at_ms == due
+        and run.first_seen_ms == ref
+        and run.updated_ms == ref
+        and run.consumer == marker.consumer
+        and run.markers_partition == item.markers_partition
+        and run.claim_token is None
+        and offset - run.base_offset < MAX_RANGE_WIDTH
+    ):
+        run.open_bits |= 1 << (offset - run.base_offset)
+        state.grown(run)
+    else:
+        run = TrackedRange(
+            marker.group,
+            marker.origin_topic,
+            marker.origin_partition,
+            item.markers_partition,
+            offset,
+            1,
+            due,
+            ref,
+            ref,
+            marker.consumer,
+        )
+        state.add(run)
+        state.run = run
 
 
 def _fold_range(
@@ -279,9 +406,7 @@ def _fold_range(
             continue
         else:  # a partial extension splits the range
             tracked.open_bits &= ~hit
-            state.ranges.append(
-                tracked.piece(hit, due_at_ms=ref + marker.timeout_ms, updated_ms=ref)
-            )
+            state.add(tracked.piece(hit, due_at_ms=ref + marker.timeout_ms, updated_ms=ref))
         if tracked.open_bits:
             tracked.normalize()
         else:
@@ -329,7 +454,7 @@ def _start(
             marker.consumer,
         )
         moved.normalize()
-        state.ranges.append(moved)
+        state.add(moved)
         if tracked.open_bits:
             tracked.normalize()
         else:
@@ -348,7 +473,7 @@ def _start(
             marker.consumer,
         )
         fresh.normalize()
-        state.ranges.append(fresh)
+        state.add(fresh)
 
 
 def _as_single(marker: RangeMarker, offset: int) -> Marker:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import delete, or_, select, true, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from tracker.domain.entries import EntryKey, State
+from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.range_claims import DueClaim, range_copies, share_of_batch, take_due_ranges
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 from tracker.ids import MessageId
@@ -56,6 +56,7 @@ from .tables import (
     dead_letters,
     entry_from_values,
     partitions_table,
+    ranges_reaching,
     ranges_table,
     row_from_entry,
     tracked,
@@ -402,21 +403,74 @@ class DueClaims(PartitionOwnership):
                     .values(due_at_ms=due_ms, claim_token=None)
                 )
 
+    async def range_holding(self, conn: AsyncConnection, key: EntryKey) -> TrackedRange | None:
+        """The tracked range whose open offsets include ``key``'s (at most one)."""
+        r = ranges_table.c
+        rows = await conn.execute(
+            select(*(r[name] for name in RANGE_COLUMN_NAMES)).where(
+                ranges_reaching((key[0], key[1], key[2]), key[3], key[3])
+            )
+        )
+        for row in rows:
+            candidate = TrackedRange.from_row(row)
+            if candidate.holds(key[3]):
+                return candidate
+        return None
+
+    async def split_from_range(self, conn: AsyncConnection, key: EntryKey) -> Entry | None:
+        """Move ``key`` out of the tracked range holding it into an entry row of its own.
+
+        For a change to one message of a range (an operator action): the offset diverges,
+        so it gets the per-message row that v1 would have had all along; the range keeps the
+        rest. Call with the entry's markers partition locked. ``None``: no range holds it.
+        The counters do not move (in flight either way).
+        """
+        holder = await self.range_holding(conn, key)
+        if holder is None:
+            return None
+        entry = holder.entry_at(key[3])
+        await conn.execute(delete(ranges_table).where(tuple_(*RANGE_KEY_COLUMNS) == holder.key))
+        holder.open_bits &= ~(1 << (key[3] - holder.base_offset))
+        if holder.open_bits:
+            holder.normalize()
+            await upsert_rows(
+                conn, ranges_table, RANGE_COLUMN_NAMES, RANGE_UPDATE_COLUMNS, [holder.row()]
+            )
+        await upsert_rows(
+            conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, [row_from_entry(entry)]
+        )
+        return entry
+
     async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
-        """Record entries as lost (their original is gone), whoever claimed them."""
+        """Record entries as lost (their original is gone), whoever claimed them.
+
+        A key a tracked range holds (a first delivery in flight) is split out of it first, into
+        the entry row it stands for, and that entry is marked.
+        """
         if not items:
             return
         async with self.transaction() as conn:
             # Lock the entries' markers partitions first, as every writer of entries does
             # (ingest would otherwise overwrite the change with what it read before it).
             partitions: set[int] = set()
+            with_rows: set[EntryKey] = set()
             for chunk in chunks([k for k, _ in items], KEY_CHUNK):
                 found = await conn.execute(
-                    select(tracked.c.markers_partition)
-                    .where(keys_in(self.engine, KEY_COLUMNS, chunk))
-                    .distinct()
+                    select(tracked.c.markers_partition, *KEY_COLUMNS).where(
+                        keys_in(self.engine, KEY_COLUMNS, chunk)
+                    )
                 )
-                partitions.update(p for (p,) in found)
+                for partition, group, topic, origin_partition, offset in found:
+                    partitions.add(partition)
+                    with_rows.add((group, topic, origin_partition, offset))
+            in_ranges: list[EntryKey] = []
+            for wanted, _ in items:
+                if wanted in with_rows:
+                    continue
+                holder = await self.range_holding(conn, wanted)
+                if holder is not None:
+                    partitions.add(holder.markers_partition)
+                    in_ranges.append(wanted)
             await lock_rows_in_order(
                 conn,
                 select(partitions_table.c.partition)
@@ -424,6 +478,8 @@ class DueClaims(PartitionOwnership):
                 .order_by(partitions_table.c.markers_topic),
                 partitions_table.c.partition,
             )
+            for wanted in in_ranges:
+                await self.split_from_range(conn, wanted)
             counts = CountChanges()
             await self._mark_lost(conn, sorted(items), now_ms, counts)
             await counts.write(conn, tracked_counts)

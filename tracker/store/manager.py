@@ -21,31 +21,26 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Select, delete, func, select, tuple_, update
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy import Select, func, select, tuple_, update
 
 from tracker.domain.entries import Entry, EntryKey, State
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
 
-from .dialects import keys_in, upsert_rows
+from .dialects import keys_in
 from .due_claims import DueClaims
 from .marker_apply import MarkerApply
 from .port import StoredPayload
 from .tables import (
     ENTRY_COLUMN_NAMES,
-    ENTRY_UPDATE_COLUMNS,
     KEY_CHUNK,
     KEY_COLUMNS,
     RANGE_KEY_COLUMNS,
-    RANGE_UPDATE_COLUMNS,
     chunks,
     dead_letters,
     decode_headers,
     encode_headers,
     entry_from_values,
-    ranges_reaching,
     ranges_table,
-    row_from_entry,
     tracked,
 )
 
@@ -130,44 +125,6 @@ class Store(MarkerApply, DueClaims):
                 return found[key]
             holder = await self.range_holding(conn, key)
         return None if holder is None else holder.entry_at(key[3])
-
-    async def range_holding(self, conn: AsyncConnection, key: EntryKey) -> TrackedRange | None:
-        """The tracked range whose open offsets include ``key``'s (at most one)."""
-        r = ranges_table.c
-        rows = await conn.execute(
-            select(*(r[name] for name in RANGE_COLUMN_NAMES)).where(
-                ranges_reaching((key[0], key[1], key[2]), key[3], key[3])
-            )
-        )
-        for row in rows:
-            candidate = TrackedRange.from_row(row)
-            if candidate.holds(key[3]):
-                return candidate
-        return None
-
-    async def split_from_range(self, conn: AsyncConnection, key: EntryKey) -> Entry | None:
-        """Move ``key`` out of the tracked range holding it into an entry row of its own.
-
-        For a change to one message of a range (an operator action): the offset diverges,
-        so it gets the per-message row that v1 would have had all along; the range keeps the
-        rest. Call with the entry's markers partition locked. ``None``: no range holds it.
-        The counters do not move (in flight either way).
-        """
-        holder = await self.range_holding(conn, key)
-        if holder is None:
-            return None
-        entry = holder.entry_at(key[3])
-        await conn.execute(delete(ranges_table).where(tuple_(*RANGE_KEY_COLUMNS) == holder.key))
-        holder.open_bits &= ~(1 << (key[3] - holder.base_offset))
-        if holder.open_bits:
-            holder.normalize()
-            await upsert_rows(
-                conn, ranges_table, RANGE_COLUMN_NAMES, RANGE_UPDATE_COLUMNS, [holder.row()]
-            )
-        await upsert_rows(
-            conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, [row_from_entry(entry)]
-        )
-        return entry
 
     async def count_entries(self, state: State | None = None) -> int:
         """Entries, counting every open offset of a tracked range as one in flight."""

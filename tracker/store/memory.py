@@ -349,7 +349,24 @@ class InMemoryStore:
     async def mark_lost(self, items: Sequence[tuple[EntryKey, str]], now_ms: int) -> None:
         db = self._db
         async with db.lock:
+            for key, _ in items:  # as the SQL store: a range-held key is split out first
+                if key not in db.entries:
+                    self._split_from_range(key)
             self._mark_lost(items, now_ms, token=None)
+
+    def _split_from_range(self, key: EntryKey) -> None:
+        """Move ``key`` out of the tracked range holding it into an entry of its own."""
+        lane = self.database.ranges.get(key[:3], {})
+        for range_key, tracked_range in list(lane.items()):
+            if tracked_range.holds(key[3]):
+                self.database.entries[key] = tracked_range.entry_at(key[3])
+                del lane[range_key]
+                rest = tracked_range.piece(
+                    tracked_range.open_bits & ~(1 << (key[3] - tracked_range.base_offset))
+                )
+                if rest.open_bits:
+                    lane[rest.key] = rest
+                return
 
     def _mark_lost(
         self, items: Sequence[tuple[EntryKey, str]], now_ms: int, *, token: str | None
