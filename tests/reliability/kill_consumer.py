@@ -1,6 +1,6 @@
-"""A consumer process the consumer-kill test SIGKILLs again and again (protocol v2).
+"""A consumer process the consumer-kill test SIGKILLs again and again.
 
-Usage: python kill_consumer.py BOOTSTRAP TOPIC GROUP MARKERS_TOPIC LEASE_S [batches|pool]
+Usage: python kill_consumer.py BOOTSTRAP TOPIC GROUP MARKERS_TOPIC LEASE_S [batches|pool|v1]
 
 For every batch handed to it, it prints ``BATCH <n>`` and ``GOT <origin> <attempt>`` for each
 message (a message read again after a kill is printed again), works on it for half a second (so that
@@ -10,6 +10,9 @@ prints ``ACKING <origin> <attempt>`` for each, waits until the broker acknowledg
 SETTLEs (``flush()``), then prints ``ACKED <origin> <attempt>`` for each. A kill between
 the two lines leaves those messages in doubt (their SETTLE may or may not have reached the
 broker); the test accounts for that.
+
+``v1`` is ``batches`` with protocol v1 (a START per message, which the tracker keeps as one
+range per batch, and an ACK per message).
 
 ``pool`` runs the same work through ``consumer.run(handler, concurrency=16)``: each handler
 works for 50-300 ms (so a kill finds many in flight, and more waiting in the pool), prints
@@ -33,7 +36,9 @@ def _name(message: object) -> str:
     return f"{origin.topic}/{origin.partition}/{origin.offset} {message.attempt}"  # type: ignore[attr-defined]
 
 
-def _consumer(bootstrap: str, topic: str, group: str, markers: str, lease: float) -> KmqConsumer:
+def _consumer(
+    bootstrap: str, topic: str, group: str, markers: str, lease: float, *, version: int = 2
+) -> KmqConsumer:
     return KmqConsumer(
         topic,
         group_id=group,
@@ -41,11 +46,14 @@ def _consumer(bootstrap: str, topic: str, group: str, markers: str, lease: float
         markers_topic=markers,
         processing_timeout=timedelta(seconds=lease),
         consumer_config={"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
+        marker_version=version,
     )
 
 
-async def main(bootstrap: str, topic: str, group: str, markers: str, lease: float) -> None:
-    consumer = _consumer(bootstrap, topic, group, markers, lease)
+async def main(
+    bootstrap: str, topic: str, group: str, markers: str, lease: float, *, version: int = 2
+) -> None:
+    consumer = _consumer(bootstrap, topic, group, markers, lease, version=version)
     await consumer.start()
     print("JOINED", flush=True)
     async for batch in consumer.batches():
@@ -102,5 +110,8 @@ async def pool_main(bootstrap: str, topic: str, group: str, markers: str, lease:
 if __name__ == "__main__":
     bootstrap, topic, group, markers, lease = sys.argv[1:6]
     mode = sys.argv[6] if len(sys.argv) > 6 else "batches"
-    run = pool_main if mode == "pool" else main
-    asyncio.run(run(bootstrap, topic, group, markers, float(lease)))
+    if mode == "pool":
+        asyncio.run(pool_main(bootstrap, topic, group, markers, float(lease)))
+    else:
+        version = 1 if mode == "v1" else 2
+        asyncio.run(main(bootstrap, topic, group, markers, float(lease), version=version))
