@@ -83,9 +83,9 @@ class LaneState:
     #: order, so the next one is usually in it too.
     hint: TrackedRange | None = field(init=False, default=None)
     #: ``ranges`` sorted by first offset as they were when sorted, with the running maximum
-    #: of their last offsets (None: sort again before the next lookup). A range's open bits
-    #: only shrink once it is in ``ranges`` (a run's grow, see :meth:`grown`), so the spans
-    #: sorted stay supersets of the spans now; a range that left ``ranges`` holds nothing.
+    #: of their last offsets (None: sort again before the next lookup). Once in ``ranges``, a
+    #: range's open bits only shrink (but a run's, which :meth:`grown` accounts for), so the
+    #: spans sorted stay supersets of the spans now; a range that left ``ranges`` holds nothing.
     _sorted: list[TrackedRange] | None = field(init=False, default=None)
     _firsts: list[int] = field(init=False, default_factory=list)
     _reach: list[int] = field(init=False, default_factory=list)
