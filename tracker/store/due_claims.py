@@ -478,7 +478,7 @@ class DueClaims(PartitionOwnership):
                 .order_by(partitions_table.c.markers_topic),
                 partitions_table.c.partition,
             )
-            for wanted in in_ranges:
+            for wanted in in_ranges:  # looked up again under the lock: ingest may have moved it
                 await self.split_from_range(conn, wanted)
             counts = CountChanges()
             await self._mark_lost(conn, sorted(items), now_ms, counts)

@@ -354,19 +354,24 @@ class InMemoryStore:
                     self._split_from_range(key)
             self._mark_lost(items, now_ms, token=None)
 
+    def _range_holding(self, key: EntryKey) -> TrackedRange | None:
+        """The tracked range whose open offsets include ``key``'s (at most one)."""
+        for tracked_range in self.database.ranges.get(key[:3], {}).values():
+            if tracked_range.holds(key[3]):
+                return tracked_range
+        return None
+
     def _split_from_range(self, key: EntryKey) -> None:
         """Move ``key`` out of the tracked range holding it into an entry of its own."""
-        lane = self.database.ranges.get(key[:3], {})
-        for range_key, tracked_range in list(lane.items()):
-            if tracked_range.holds(key[3]):
-                self.database.entries[key] = tracked_range.entry_at(key[3])
-                del lane[range_key]
-                rest = tracked_range.piece(
-                    tracked_range.open_bits & ~(1 << (key[3] - tracked_range.base_offset))
-                )
-                if rest.open_bits:
-                    lane[rest.key] = rest
-                return
+        holder = self._range_holding(key)
+        if holder is None:
+            return
+        self.database.entries[key] = holder.entry_at(key[3])
+        lane = self.database.ranges[key[:3]]
+        del lane[holder.key]
+        rest = holder.piece(holder.open_bits & ~(1 << (key[3] - holder.base_offset)))
+        if rest.open_bits:
+            lane[rest.key] = rest
 
     def _mark_lost(
         self, items: Sequence[tuple[EntryKey, str]], now_ms: int, *, token: str | None
@@ -418,10 +423,8 @@ class InMemoryStore:
         entry = db.entries.get(key)
         if entry is not None:
             return entry
-        for tracked_range in db.ranges.get(key[:3], {}).values():
-            if tracked_range.holds(key[3]):
-                return tracked_range.entry_at(key[3])
-        return None
+        holder = self._range_holding(key)
+        return None if holder is None else holder.entry_at(key[3])
 
     async def count_entries(self, state: State | None = None) -> int:
         db = self._db
