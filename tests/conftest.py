@@ -10,6 +10,7 @@ pytest's default ``prepend`` import mode puts ``tests/`` itself on ``sys.path``.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -37,6 +38,28 @@ _EXTERNAL_KAFKA_WAIT = 30.0
 
 def _external_bootstrap() -> str | None:
     return os.environ.get(KAFKA_BOOTSTRAP_ENV, "").strip() or None
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """Undo what a test's run of a command's ``main()`` did to the root logger.
+
+    ``kmq-tracker run`` (``tracker.logs.configure_logging``) gives the root logger a handler
+    on ``sys.stderr``, which during a test is the stream pytest captured for that test. Left
+    in place, it outlived that stream: py4j closing the Spark session's connections at the
+    end of the run logged through it and printed a ``--- Logging error ---`` traceback.
+    Handlers a test added are removed (pytest's own come and go with each phase), and the
+    levels it changed are put back.
+    """
+    root = logging.getLogger()
+    before = set(root.handlers)
+    levels = {name: logging.getLogger(name).level for name in ("", "aiokafka")}
+    yield
+    for handler in root.handlers[:]:
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.fixture(scope="session")
