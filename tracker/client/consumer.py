@@ -208,7 +208,7 @@ class KmqConsumer:
             counts=self._counts,
             seen=self._seen,
             clock=self._clock,
-            untrack=records_untracker(consumer_config or {}),
+            untrack=records_untracker(consumer_config or {}, max_batch),
             generation=self._rebalances.current,
             group_id=group_id,
             consumer_id=self.consumer_id,

@@ -30,6 +30,7 @@ slower.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,10 +50,13 @@ _untrack_list = _c_untrack_list()
 
 
 def records_untracker(
-    consumer_config: Mapping[str, Any],
+    consumer_config: Mapping[str, Any], batch: int
 ) -> Callable[[Mapping[Any, list[Any]]], None] | None:
     """What takes a fetched batch's records out of the GC, or None where it must not (a
-    deserializer is configured) or cannot (no C extension)."""
+    deserializer is configured) or cannot (no C extension).
+
+    ``batch``: the most records one fetch returns. See :func:`young_collection_now`.
+    """
     if _untrack_list is None or any(consumer_config.get(name) for name in DESERIALIZERS):
         return None
     untrack = _untrack_list
@@ -60,5 +64,25 @@ def records_untracker(
     def untrack_fetched(fetched: Mapping[Any, list[Any]]) -> None:
         for records in fetched.values():
             untrack(records)
+        if young_collection_now(batch):
+            gc.collect(0)
 
     return untrack_fetched
+
+
+def young_collection_now(batch: int) -> bool:
+    """Whether to run the young collection that the next fetch would start anyway, now.
+
+    Untracking takes the records out of the collector's lists but does not take back the
+    allocations they counted: CPython starts a young collection once its count of tracked
+    allocations not yet freed passes ``threshold0`` (700), and records held ahead are not
+    freed before the next batch is fetched. So, holding batches ahead, nearly every fetch
+    crossed the threshold *while aiokafka made its records*, and that collection walked up to
+    700 records just made (~0.1 ms: 0.15-0.2 us per record on the consumer bench, where plain
+    aiokafka, which frees each batch before the next, runs almost none). Run right after the
+    untracking, the same collection finds little to walk. Only when the next batch would
+    cross the threshold (so it adds no collection), and never when the application turned
+    automatic collection off.
+    """
+    threshold = gc.get_threshold()[0]
+    return bool(threshold) and gc.isenabled() and gc.get_count()[0] + batch >= threshold
