@@ -78,11 +78,14 @@ def young_collection_now(batch: int) -> bool:
     allocations not yet freed passes ``threshold0`` (700), and records held ahead are not
     freed before the next batch is fetched. So, holding batches ahead, nearly every fetch
     crossed the threshold *while aiokafka made its records*, and that collection walked up to
-    700 records just made (~0.1 ms: 0.15-0.2 us per record on the consumer bench, where plain
+    700 records just made (~0.1 ms: 0.13-0.2 us per message on the consumer bench, where plain
     aiokafka, which frees each batch before the next, runs almost none). Run right after the
-    untracking, the same collection finds little to walk. Only when the next batch would
-    cross the threshold (so it adds no collection), and never when the application turned
-    automatic collection off.
+    untracking, the same collection finds little to walk, and the next batch fits under the
+    threshold. Only when the next batch would cross it (so no collection is added), never
+    when one batch alone crosses it (the next fetch collects mid-batch whatever runs now),
+    and never when the application turned automatic collection off.
     """
     threshold = gc.get_threshold()[0]
-    return bool(threshold) and gc.isenabled() and gc.get_count()[0] + batch >= threshold
+    if not threshold or batch >= threshold or not gc.isenabled():
+        return False
+    return gc.get_count()[0] + batch >= threshold
