@@ -336,48 +336,61 @@ def test_module_entry_point_runs_without_spark() -> None:
 
 
 @pytest.mark.timeout(900)
-def test_a_first_run_prints_its_result_and_summary_and_no_java_stack_trace(world: World) -> None:
+def test_a_run_prints_its_result_and_summary_and_no_java_noise_first_and_next(
+    world: World,
+) -> None:
     """``python -m pipeline ledger`` in its own process, on an output directory that does not
-    exist yet: the run's JSON on stdout, one summary line on stderr, no Java noise."""
+    exist yet and then again on the ledger it wrote: each run's JSON on stdout, one summary
+    line on stderr, no Java noise (no stack trace for the missing directory the first time,
+    no warning about the run records' directory name the next)."""
     output = world.tmp / "first-run"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "ledger",
-            "--bootstrap",
-            world.bootstrap,
-            "--markers-topic",
-            world.markers,
-            "--output",
-            str(output),
-            "--as-of",
-            world.as_of.isoformat(),
-            "--no-progress",
-            # Another Spark UI on this machine (the test session's, a CI neighbour's) would
-            # make Spark warn that port 4040 is taken: true, but not what is tested here.
-            "--conf",
-            "spark.ui.enabled=false",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    run = json.loads(done.stdout)
+
+    def ledger_run() -> tuple[dict[str, Any], list[str]]:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "ledger",
+                "--bootstrap",
+                world.bootstrap,
+                "--markers-topic",
+                world.markers,
+                "--output",
+                str(output),
+                "--as-of",
+                world.as_of.isoformat(),
+                "--no-progress",
+                # Another Spark UI on this machine (the test session's, a CI neighbour's)
+                # would make Spark warn that port 4040 is taken: true, but not tested here.
+                "--conf",
+                "spark.ui.enabled=false",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        lines = [
+            line
+            for line in done.stderr.splitlines()
+            # The JVM's own note about the module Spark asks for; no setting of ours hides it.
+            if line.strip() and line != "WARNING: Using incubator modules: jdk.incubator.vector"
+        ]
+        assert len(lines) == 1, done.stderr
+        return json.loads(done.stdout), lines
+
+    run, lines = ledger_run()
     assert run["rows_written"] == sum(PLAN.values()) + GHOSTS
-    lines = [
-        line
-        for line in done.stderr.splitlines()
-        # The JVM's own note about the module Spark asks for; no setting of ours can hide it.
-        if line.strip() and line != "WARNING: Using incubator modules: jdk.incubator.vector"
-    ]
-    assert len(lines) == 1, done.stderr
     assert lines[0].startswith(f"ledger: run {run['run_id']} committed in "), lines[0]
     assert f"{run['markers_read']:,} markers read" in lines[0]
     assert "markers/s" in lines[0]
+
+    again, lines = ledger_run()
+    assert again["run_seq"] == run["run_seq"] + 1, "the second run extends the first"
+    assert again["markers_read"] == 0, "it read only what came after the first run's offsets"
+    assert lines[0].startswith(f"ledger: run {again['run_id']} committed in "), lines[0]
 
 
 _PROBE = """
