@@ -4,7 +4,7 @@ Every command starts its own SparkSession (:func:`pipeline.spark_session.build_s
 ``local[*]`` by default, ``--master URL`` for a cluster, or whatever ``spark-submit`` set up
 (``spark-submit pipeline/__main__.py ledger ...``). Results are printed as JSON on stdout;
 logs go to stderr. Exit codes: 0 done, 1 the audit found broken chains, 2 bad usage or a job
-that could not run.
+that could not run (``ledger --every``: as many failed runs in a row as ``--max-failures``).
 
 Times are ISO 8601 with a time zone (``2026-01-31T12:00:00Z``) or ``now``; durations are
 ``250ms``, ``30s``, ``5m``, ``2h``, ``1d``, ISO 8601 (``PT5M``) or plain seconds.
@@ -18,12 +18,13 @@ import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.ledger import LedgerRun
+    from pipeline.ledger import LedgerJob, LedgerRun
 
 from pipeline import __version__
 
@@ -179,6 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ledger.add_argument("--from", dest="start", help="start bound for partitions not yet read")
     ledger.add_argument("--to", dest="end", help="end bound (default: the end at the start)")
+    loop = ledger.add_argument_group("repeating (one Spark session, docs/pipeline.md)")
+    loop.add_argument(
+        "--every",
+        type=duration_ms,
+        default=None,
+        help="run again every INTERVAL until SIGTERM/SIGINT (each run's JSON is one line)",
+    )
+    loop.add_argument(
+        "--runs", type=int, default=None, help="with --every: stop after this many runs"
+    )
+    loop.add_argument(
+        "--max-failures",
+        type=int,
+        default=3,
+        help="with --every: give up after this many failed runs in a row (default 3)",
+    )
     ledger.set_defaults(func=_cmd_ledger)
 
     audit = commands.add_parser("audit", help="list broken chains; exit 1 if any")
@@ -243,7 +260,23 @@ def _print(data: Any) -> None:
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
-    from pipeline.ledger import LedgerJob, run_ledger  # noqa: PLC0415
+    from pipeline.ledger import run_ledger  # noqa: PLC0415
+    from pipeline.ledger_fold import LedgerError  # noqa: PLC0415
+
+    if args.every is None:
+        if args.runs is not None:
+            raise LedgerError("--runs goes with --every")
+        with _session(args) as spark:
+            run = run_ledger(spark, _ledger_job(args))
+        _print(run.to_json())
+        print(ledger_summary(run), file=sys.stderr)
+        return 0
+    return _ledger_every(args)
+
+
+def _ledger_job(args: argparse.Namespace) -> LedgerJob:
+    """The job the options describe, judged at ``--as-of`` or now."""
+    from pipeline.ledger import LedgerJob  # noqa: PLC0415
     from pipeline.ledger_fold import LedgerParams  # noqa: PLC0415
     from pipeline.offsets import Bound  # noqa: PLC0415
 
@@ -258,7 +291,7 @@ def _cmd_ledger(args: argparse.Namespace) -> int:
     end = Bound.parse(args.end) if args.end else None
     if end is None and args.as_of is not None:
         end = Bound.at_time(args.as_of)  # an explicit as-of reads what existed then
-    job = LedgerJob(
+    return LedgerJob(
         bootstrap=args.bootstrap,
         markers_topic=args.markers_topic,
         output=args.output,
@@ -271,10 +304,44 @@ def _cmd_ledger(args: argparse.Namespace) -> int:
         source=args.source,
         spark_kafka_options=dict(args.spark_kafka_option or ()),
     )
+
+
+def _ledger_every(args: argparse.Namespace) -> int:
+    """``ledger --every``: runs in one session until stopped (see pipeline.ledger_loop)."""
+    from pipeline.ledger import run_ledger  # noqa: PLC0415
+    from pipeline.ledger_fold import LedgerError  # noqa: PLC0415
+    from pipeline.ledger_loop import LoopPolicy, run_every, stop_on_signals  # noqa: PLC0415
+
+    if args.as_of is not None or args.end is not None:
+        raise LedgerError("--every judges each run at its own time: leave out --as-of and --to")
+    try:
+        policy = LoopPolicy(args.every / 1000, args.runs, args.max_failures)
+    except ValueError as exc:
+        raise LedgerError(str(exc)) from None
+    stop = threading.Event()
     with _session(args) as spark:
-        run = run_ledger(spark, job)
-    _print(run.to_json())
-    print(ledger_summary(run), file=sys.stderr)
+
+        def run_once() -> None:
+            run = run_ledger(spark, _ledger_job(args))
+            print(json.dumps(run.to_json(), default=str), flush=True)
+            print(ledger_summary(run), file=sys.stderr, flush=True)
+
+        def failed(error: BaseException, in_a_row: int) -> None:
+            print(
+                f"pipeline ledger: run failed ({in_a_row} of {policy.max_failures} in a row): "
+                f"{type(error).__name__}: {error}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        with stop_on_signals(stop):
+            outcome = run_every(run_once, policy, stop, on_failure=failed)
+    if outcome.gave_up:
+        print(
+            f"pipeline ledger: giving up after {policy.max_failures} failed runs in a row",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

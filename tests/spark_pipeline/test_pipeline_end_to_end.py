@@ -322,6 +322,35 @@ def test_command_line_jobs_and_exit_codes(
     assert spark.range(1).count() == 1, "the shared session is still running"
 
 
+def test_ledger_every_runs_again_in_the_same_session(
+    world: World, spark: SparkSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ledger --every``: each run judged at its own time, one JSON line per run, the next
+    run extending the one before; bad combinations are refused before anything runs."""
+    ledger = str(world.tmp / "every")
+    common = ["--bootstrap", world.bootstrap, "--markers-topic", world.markers]
+    assert main(["ledger", *common, "--output", ledger, "--every", "1s", "--runs", "2"]) == 0
+    captured = capsys.readouterr()
+    first, second = (json.loads(line) for line in captured.out.splitlines())
+    assert first["rows_written"] == sum(PLAN.values()) + GHOSTS
+    assert (second["run_seq"], second["markers_read"]) == (first["run_seq"] + 1, 0)
+    judged = [datetime.fromisoformat(run["params"]["as_of"]) for run in (first, second)]
+    assert judged[1] > judged[0], "each run judged at its own time"
+    summaries = [line for line in captured.err.splitlines() if line.startswith("ledger: run ")]
+    assert len(summaries) == 2, captured.err
+    assert spark.range(1).count() == 1, "the shared session is still running"
+
+    for wrong, why in (
+        (["--every", "1s", "--as-of", world.as_of.isoformat()], "leave out --as-of and --to"),
+        (["--every", "1s", "--to", "latest"], "leave out --as-of and --to"),
+        (["--runs", "2"], "--runs goes with --every"),
+        (["--every", "1s", "--runs", "0"], "at least 1"),
+        (["--every", "1s", "--max-failures", "0"], "max_failures must be at least 1"),
+    ):
+        assert main(["ledger", *common, "--output", ledger, *wrong]) == 2, wrong
+        assert why in capsys.readouterr().err, wrong
+
+
 def test_module_entry_point_runs_without_spark() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pipeline", "--help"],
