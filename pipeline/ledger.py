@@ -126,38 +126,20 @@ def _path(root: str, sub: str) -> str:
     return f"{root.rstrip('/')}/{sub}"
 
 
-def _hadoop_path(spark: SparkSession, path: str) -> tuple[Any, Any]:
-    """``path`` as a Hadoop path and the file system Spark itself reads it with (any Hadoop
-    URI: a local path, ``s3a://``, ``hdfs://``, ...)."""
-    jvm = spark.sparkContext._jvm
-    if jvm is None:  # pragma: no cover - a classic session always has its gateway
-        raise RuntimeError("the Spark session has no JVM gateway")
-    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
-    conf = spark._jsparkSession.sessionState().newHadoopConf()
-    return hadoop_path.getFileSystem(conf), hadoop_path
-
-
 def path_exists(spark: SparkSession, path: str) -> bool:
-    """Whether ``path`` exists, asked of the file system Spark reads it with.
+    """Whether ``path`` exists, asked of the file system Spark itself reads it with (any
+    Hadoop URI: a local path, ``s3a://``, ``hdfs://``, ...).
 
     Asked before reading a directory that a first run has not written yet: Spark's reader
     looks for a streaming sink's metadata there first and logs the ``FileNotFoundException``
     it gets, with its whole Java stack trace, as a warning, though nothing is wrong.
     """
-    fs, hadoop_path = _hadoop_path(spark, path)
-    return bool(fs.exists(hadoop_path))
-
-
-def json_files(spark: SparkSession, directory: str) -> list[str]:
-    """The ``.json`` files in ``directory`` (none if it does not exist), as full paths."""
-    fs, hadoop_path = _hadoop_path(spark, directory)
-    if not fs.exists(hadoop_path):
-        return []
-    return sorted(
-        str(status.getPath().toString())
-        for status in fs.listStatus(hadoop_path)
-        if status.isFile() and status.getPath().getName().endswith(".json")
-    )
+    jvm = spark.sparkContext._jvm
+    if jvm is None:  # pragma: no cover - a classic session always has its gateway
+        return True
+    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
+    conf = spark._jsparkSession.sessionState().newHadoopConf()
+    return bool(hadoop_path.getFileSystem(conf).exists(hadoop_path))
 
 
 def _read_parquet(
@@ -181,14 +163,10 @@ def _read_parquet(
 
 def committed_runs(spark: SparkSession, root: str) -> list[LedgerRun]:
     """The committed runs of the ledger at ``root``, oldest first."""
-    # The records by name, not their directory: given a directory whose name begins with
-    # "_", Spark's reader reads it all the same but warns "All paths were ignored" (it skips
-    # such names inside directories), on every run after the first.
-    records = json_files(spark, _path(root, RUNS_DIR))
-    if not records:
+    if not path_exists(spark, _path(root, RUNS_DIR)):
         return []
     try:
-        rows = spark.read.schema(_RUNS_SCHEMA).json(records).collect()
+        rows = spark.read.schema(_RUNS_SCHEMA).json(_path(root, RUNS_DIR)).collect()
     except AnalysisException as exc:
         if "PATH_NOT_FOUND" in str(exc):
             return []
