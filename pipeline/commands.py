@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument(
         "--max-failures",
         type=int,
-        default=3,
+        default=None,
         help="with --every: give up after this many failed runs in a row (default 3)",
     )
     ledger.set_defaults(func=_cmd_ledger)
@@ -264,8 +265,8 @@ def _cmd_ledger(args: argparse.Namespace) -> int:
     from pipeline.ledger_fold import LedgerError  # noqa: PLC0415
 
     if args.every is None:
-        if args.runs is not None:
-            raise LedgerError("--runs goes with --every")
+        if args.runs is not None or args.max_failures is not None:
+            raise LedgerError("--runs and --max-failures go with --every")
         with _session(args) as spark:
             run = run_ledger(spark, _ledger_job(args))
         _print(run.to_json())
@@ -314,22 +315,26 @@ def _ledger_every(args: argparse.Namespace) -> int:
 
     if args.as_of is not None or args.end is not None:
         raise LedgerError("--every judges each run at its own time: leave out --as-of and --to")
-    try:
-        policy = LoopPolicy(args.every / 1000, args.runs, args.max_failures)
-    except ValueError as exc:
-        raise LedgerError(str(exc)) from None
+    for option, value in (("--runs", args.runs), ("--max-failures", args.max_failures)):
+        if value is not None and value < 1:
+            raise LedgerError(f"{option} must be at least 1")
+    if args.every <= 0:
+        raise LedgerError("--every must be a positive interval")
+    policy = LoopPolicy(args.every / 1000, args.runs, args.max_failures or 3)
+    job = _ledger_job(args)  # what is wrong with the options shows now, not as failed runs
     stop = threading.Event()
     with _session(args) as spark:
 
         def run_once() -> None:
-            run = run_ledger(spark, _ledger_job(args))
+            now = dataclasses.replace(job.params, as_of=datetime.now(UTC))
+            run = run_ledger(spark, dataclasses.replace(job, params=now))
             print(json.dumps(run.to_json(), default=str), flush=True)
             print(ledger_summary(run), file=sys.stderr, flush=True)
 
         def failed(error: BaseException, in_a_row: int) -> None:
             print(
                 f"pipeline ledger: run failed ({in_a_row} of {policy.max_failures} in a row): "
-                f"{type(error).__name__}: {error}",
+                f"{type(error).__name__}: {_first_lines(error)}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -343,6 +348,16 @@ def _ledger_every(args: argparse.Namespace) -> int:
         )
         return 2
     return 0
+
+
+def _first_lines(error: BaseException, count: int = 2) -> str:
+    """An error's message without a Java stack trace (a ``Py4JJavaError`` carries one)."""
+    lines = [
+        line.strip()
+        for line in str(error).splitlines()
+        if line.strip() and not line.lstrip().startswith(("at ", "..."))
+    ]
+    return " ".join(lines[:count])
 
 
 def ledger_summary(run: LedgerRun) -> str:

@@ -343,12 +343,40 @@ def test_ledger_every_runs_again_in_the_same_session(
     for wrong, why in (
         (["--every", "1s", "--as-of", world.as_of.isoformat()], "leave out --as-of and --to"),
         (["--every", "1s", "--to", "latest"], "leave out --as-of and --to"),
-        (["--runs", "2"], "--runs goes with --every"),
-        (["--every", "1s", "--runs", "0"], "at least 1"),
-        (["--every", "1s", "--max-failures", "0"], "max_failures must be at least 1"),
+        (["--runs", "2"], "--runs and --max-failures go with --every"),
+        (["--max-failures", "2"], "--runs and --max-failures go with --every"),
+        (["--every", "1s", "--runs", "0"], "--runs must be at least 1"),
+        (["--every", "1s", "--max-failures", "0"], "--max-failures must be at least 1"),
+        (["--every", "0s"], "--every must be a positive interval"),
+        (["--every", "1s", "--grace", "2d"], "stuck_after must be at least the grace"),
     ):
         assert main(["ledger", *common, "--output", ledger, *wrong]) == 2, wrong
         assert why in capsys.readouterr().err, wrong
+
+
+def test_ledger_every_gives_up_after_max_failures_runs_in_a_row(
+    world: World, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that fails is reported and tried again at the next tick; as many failures in a
+    row as ``--max-failures`` end the job with exit code 2."""
+    import pipeline.ledger  # noqa: PLC0415
+
+    attempts = 0
+
+    def unreachable(spark: SparkSession, job: object) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise OSError("the storage is unreachable")
+
+    monkeypatch.setattr(pipeline.ledger, "run_ledger", unreachable)
+    ledger = str(world.tmp / "every-failing")
+    common = ["--bootstrap", world.bootstrap, "--markers-topic", world.markers]
+    args = ["ledger", *common, "--output", ledger, "--every", "10ms", "--max-failures", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert attempts == 2
+    assert "run failed (1 of 2 in a row): OSError: the storage is unreachable" in err
+    assert "giving up after 2 failed runs in a row" in err
 
 
 def test_module_entry_point_runs_without_spark() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from types import FrameType
 
 import pytest
 
@@ -163,3 +165,41 @@ def test_off_the_main_thread_no_handler_is_installed() -> None:
     worker.start()
     worker.join(5)
     assert seen == [before]
+
+
+def test_a_signal_while_it_waits_ends_the_loop_at_once() -> None:
+    stop = threading.Event()
+    runs = 0
+
+    def run() -> None:
+        nonlocal runs
+        runs += 1
+        # Sent from another thread, delivered to the main one while it waits for the next run.
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    started = time.monotonic()
+    with stop_on_signals(stop):
+        outcome = run_every(run, LoopPolicy(60.0), stop, on_failure=_never_fails)
+    assert (runs, outcome.runs, outcome.stopped) == (1, 1, True)
+    assert time.monotonic() - started < 10, "not the 60 s interval"
+
+
+def test_the_second_signal_runs_the_handler_it_replaced_before_interrupting() -> None:
+    called: list[int] = []
+
+    def cancel_jobs(number: int, frame: FrameType | None) -> None:
+        called.append(number)
+
+    before = signal.signal(signal.SIGINT, cancel_jobs)
+    try:
+        stop = threading.Event()
+        with stop_on_signals(stop):
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.wait(5)
+            assert called == [], "the first signal only asks for a stop"
+            with pytest.raises(KeyboardInterrupt):
+                _signal_and_wait(signal.SIGINT)
+        assert called == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is cancel_jobs
+    finally:
+        signal.signal(signal.SIGINT, before)
