@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import pytest
@@ -35,6 +36,18 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class CountedRun:
+    """A run that counts its calls and then does ``then(call_number)``."""
+
+    def __init__(self, then: Callable[[int], None]) -> None:
+        self.calls = 0
+        self._then = then
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self._then(self.calls)
 
 
 def _never_fails(error: BaseException, in_a_row: int) -> None:
@@ -79,33 +92,29 @@ def test_a_failed_run_is_reported_and_the_loop_goes_on() -> None:
 def test_it_gives_up_after_max_failures_in_a_row() -> None:
     clock = FakeClock()
     stop = RecordedStop(clock)
-    calls = 0
 
-    def run() -> None:
-        nonlocal calls
-        calls += 1
+    def unreachable(call: int) -> None:
         raise RuntimeError("storage unreachable")
 
+    run = CountedRun(unreachable)
     outcome = run_every(
         run, LoopPolicy(5.0, max_failures=3), stop, on_failure=lambda e, n: None, clock=clock
     )
-    assert (calls, outcome.runs, outcome.failures, outcome.gave_up) == (3, 0, 3, True)
+    assert (run.calls, outcome.runs, outcome.failures, outcome.gave_up) == (3, 0, 3, True)
     assert len(stop.waits) == 2, "no wait after the last failure"
 
 
 def test_a_stop_during_a_run_ends_the_loop_after_it() -> None:
     clock = FakeClock()
     stop = RecordedStop(clock)
-    calls = 0
 
-    def run() -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
+    def stop_at_the_second(call: int) -> None:
+        if call == 2:
             stop.set()
 
+    run = CountedRun(stop_at_the_second)
     outcome = run_every(run, LoopPolicy(3.0), stop, on_failure=_never_fails, clock=clock)
-    assert (calls, outcome.runs, outcome.stopped) == (2, 2, True)
+    assert (run.calls, outcome.runs, outcome.stopped) == (2, 2, True)
 
 
 def test_keyboard_interrupt_is_not_a_failed_run() -> None:
@@ -169,18 +178,16 @@ def test_off_the_main_thread_no_handler_is_installed() -> None:
 
 def test_a_signal_while_it_waits_ends_the_loop_at_once() -> None:
     stop = threading.Event()
-    runs = 0
 
-    def run() -> None:
-        nonlocal runs
-        runs += 1
+    def signal_soon(call: int) -> None:
         # Sent from another thread, delivered to the main one while it waits for the next run.
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
+    run = CountedRun(signal_soon)
     started = time.monotonic()
     with stop_on_signals(stop):
         outcome = run_every(run, LoopPolicy(60.0), stop, on_failure=_never_fails)
-    assert (runs, outcome.runs, outcome.stopped) == (1, 1, True)
+    assert (run.calls, outcome.runs, outcome.stopped) == (1, 1, True)
     assert time.monotonic() - started < 10, "not the 60 s interval"
 
 
