@@ -40,37 +40,46 @@ async def read_markers(
     Waits on the condition with a deadline; then reads whatever else is already there up to
     the end offsets, so the caller also sees markers that should *not* be there.
     """
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    # A position the broker calls out of range (a fresh partition whose log is still being
+    # set up) is read again from the start rather than skipped to the end, which aiokafka's
+    # default reset ("latest") would do without a word; the records are keyed by offset, so a
+    # second read of a partition adds nothing twice.
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         partitions = await topic_partition_ids(bootstrap, topic, within=within.total_seconds())
         tps = [TopicPartition(topic, p) for p in partitions]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
-        out: list[MarkerRecord] = []
+        out: dict[tuple[int, int], MarkerRecord] = {}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within.total_seconds()
         while len(out) < at_least and loop.time() < deadline:
-            batch: dict[Any, list[Any]] = await consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                out.extend(
-                    MarkerRecord(r.partition, r.offset, r.timestamp, r.key, decode_marker(r.value))
-                    for r in records
-                )
+            _take(out, await consumer.getmany(timeout_ms=200))
         end: dict[Any, int] = await consumer.end_offsets(tps)
-        while loop.time() < deadline + 5:
+        while True:
             positions = [await consumer.position(tp) for tp in tps]
             if all(position >= end[tp] for position, tp in zip(positions, tps, strict=True)):
                 break
-            batch = await consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                out.extend(
-                    MarkerRecord(r.partition, r.offset, r.timestamp, r.key, decode_marker(r.value))
-                    for r in records
-                )
-        return sorted(out, key=lambda r: (r.partition, r.offset))
+            assert loop.time() < deadline + 5, (
+                f"read {len(out)} markers (wanted {at_least}); positions "
+                f"{dict(zip(partitions, positions, strict=True))} short of end offsets "
+                f"{ {tp.partition: offset for tp, offset in end.items()} }"
+            )
+            _take(out, await consumer.getmany(timeout_ms=200))
+        return [out[at] for at in sorted(out)]
     finally:
         await consumer.stop()
+
+
+def _take(out: dict[tuple[int, int], MarkerRecord], batch: dict[Any, list[Any]]) -> None:
+    for records in batch.values():
+        for r in records:
+            out[r.partition, r.offset] = MarkerRecord(
+                r.partition, r.offset, r.timestamp, r.key, decode_marker(r.value)
+            )
 
 
 async def committed_offset(bootstrap: str, group: str, topic: str, partition: int) -> int | None:
