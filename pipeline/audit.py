@@ -22,8 +22,9 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from pipeline.ledger import committed_runs, load_ledger
+from pipeline.ledger import load_ledger
 from pipeline.ledger_fold import BROKEN_STATES, OPEN_STATES, LedgerError, as_utc, open_state
+from pipeline.run_log import read_run_log
 from tracker.clock import to_millis
 
 #: Columns listed for each broken message.
@@ -88,11 +89,11 @@ def audit_ledger(
     output: str | None = None,
 ) -> AuditResult:
     """Audit the ledger at ``root``; with ``output``, write ``audit.json`` and ``broken/``."""
-    runs = committed_runs(spark, root)
+    runs = read_run_log(spark, root)
     ledger = load_ledger(spark, root, runs)
-    if ledger is None or not runs:
+    if ledger is None or runs.latest is None:
         raise LedgerError(f"no committed ledger at {root}")
-    params = runs[-1].params
+    params = runs.latest.params
     as_of = as_of or params.as_of
     grace = params.grace_ms if grace_ms is None else grace_ms
     horizon = params.stuck_after_ms if stuck_after_ms is None else stuck_after_ms
@@ -119,8 +120,8 @@ def audit_ledger(
         states=states,
         broken_count=sum(states.get(s, 0) for s in BROKEN_STATES),
         broken=listed,
-        invalid_markers=sum(r.invalid_markers for r in runs),
-        orphan_dlq_records=sum(r.orphan_dlq_records for r in runs),
+        invalid_markers=runs.invalid_markers,
+        orphan_dlq_records=runs.orphan_dlq_records,
     )
     if output is not None:
         target = Path(output)

@@ -25,7 +25,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.ledger import LedgerJob, LedgerRun
+    from pipeline.ledger import LedgerJob
+    from pipeline.run_log import LedgerRun
 
 from pipeline import __version__
 

@@ -8,6 +8,7 @@ Incremental runs. A ledger directory holds::
     history/dlq/date=<d>/           every dead-letter record read (without payload)
     _runs/                          one JSON record per committed run: as-of, parameters,
                                     the next offset of every partition read, counts
+    _runs_checkpoint/, _runs_archive/   the run log's checkpoints (see pipeline.run_log)
 
 A run reads only the offsets after the previous run's, appends them to the history, rebuilds
 the rows of the messages they touch (plus open rows, whose state moves with time) from their
@@ -18,11 +19,10 @@ run reads the same offsets again. The current ledger is the latest committed row
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,10 +33,10 @@ from pyspark.sql.types import (
     DateType,
     IntegerType,
     StringType,
-    StructField,
     StructType,
 )
 
+from pipeline.hadoop_fs import join_path, path_exists
 from pipeline.ledger_fold import (
     FINAL_STATES,
     KEY,
@@ -54,21 +54,19 @@ from pipeline.offsets import (
     resolve_ranges,
 )
 from pipeline.record_schemas import spark_schema
+from pipeline.run_log import (
+    CHECKPOINT_EVERY,
+    LedgerRun,
+    RunLog,
+    checkpoint_if_due,
+    commit_run,
+    read_run_log,
+)
 from pipeline.source import DEFAULT_CHUNK, read_kafka
 
 LEDGER_DIR = "ledger"
 MARKERS_HISTORY_DIR = "history/markers"
 DLQ_HISTORY_DIR = "history/dlq"
-RUNS_DIR = "_runs"
-
-_RUNS_SCHEMA = StructType(
-    [
-        StructField("run_seq", IntegerType()),
-        StructField("run_id", StringType()),
-        StructField("record", StringType()),  # the run's JSON (see LedgerRun.to_json)
-    ]
-)
-
 
 # --------------------------------------------------------------------------------------------
 # The incremental job
@@ -89,57 +87,8 @@ class LedgerJob:
     client_config: Mapping[str, Any] = field(default_factory=dict)
     source: str = "python"
     spark_kafka_options: Mapping[str, str] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class LedgerRun:
-    """What a run did; its JSON is the run's commit record in ``_runs``."""
-
-    run_seq: int
-    run_id: str
-    params: LedgerParams
-    offsets: dict[str, dict[str, int]]  #: topic -> partition -> next offset to read
-    topics: list[str]  #: origin topics seen so far
-    dlq_topics: list[str]
-    markers_read: int = 0
-    invalid_markers: int = 0
-    dlq_records_read: int = 0
-    orphan_dlq_records: int = 0
-    rows_written: int = 0
-    states_written: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    committed_at: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["params"] = self.params.to_json()
-        return out
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> LedgerRun:
-        values = dict(data)
-        values["params"] = LedgerParams.from_json(values["params"])
-        return cls(**values)
-
-
-def _path(root: str, sub: str) -> str:
-    return f"{root.rstrip('/')}/{sub}"
-
-
-def path_exists(spark: SparkSession, path: str) -> bool:
-    """Whether ``path`` exists, asked of the file system Spark itself reads it with (any
-    Hadoop URI: a local path, ``s3a://``, ``hdfs://``, ...).
-
-    Asked before reading a directory that a first run has not written yet: Spark's reader
-    looks for a streaming sink's metadata there first and logs the ``FileNotFoundException``
-    it gets, with its whole Java stack trace, as a warning, though nothing is wrong.
-    """
-    jvm = spark.sparkContext._jvm
-    if jvm is None:  # pragma: no cover - a classic session always has its gateway
-        return True
-    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
-    conf = spark._jsparkSession.sessionState().newHadoopConf()
-    return bool(hadoop_path.getFileSystem(conf).exists(hadoop_path))
+    #: run records read from their own files that make a run checkpoint the run log
+    checkpoint_every: int = CHECKPOINT_EVERY
 
 
 def _read_parquet(
@@ -161,38 +110,22 @@ def _read_parquet(
         raise
 
 
-def committed_runs(spark: SparkSession, root: str) -> list[LedgerRun]:
-    """The committed runs of the ledger at ``root``, oldest first."""
-    if not path_exists(spark, _path(root, RUNS_DIR)):
-        return []
-    try:
-        rows = spark.read.schema(_RUNS_SCHEMA).json(_path(root, RUNS_DIR)).collect()
-    except AnalysisException as exc:
-        if "PATH_NOT_FOUND" in str(exc):
-            return []
-        raise
-    runs = [LedgerRun.from_json(json.loads(row["record"])) for row in rows]
-    return sorted(runs, key=lambda r: r.run_seq)
-
-
-def _committed(df: DataFrame, runs: Sequence[LedgerRun], current: str | None = None) -> DataFrame:
+def _committed(df: DataFrame, runs: RunLog, current: str | None = None) -> DataFrame:
     """Rows written by a committed run (and by the ``current`` run, by its id).
 
     By run id, not sequence number: a run that died before its commit record leaves rows
     under the sequence number its rerun takes again, and those rows must stay invisible.
     """
-    ids = [r.run_id for r in runs] + ([current] if current is not None else [])
+    ids = runs.run_ids + ([current] if current is not None else [])
     return df.where(F.col("run_id").isin(ids))
 
 
-def load_ledger(
-    spark: SparkSession, root: str, runs: Sequence[LedgerRun] | None = None
-) -> DataFrame | None:
+def load_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> DataFrame | None:
     """The current ledger: the latest committed row of every message (None: no ledger yet)."""
-    runs = committed_runs(spark, root) if runs is None else runs
-    if not runs:
+    runs = read_run_log(spark, root) if runs is None else runs
+    if runs.latest is None:
         return None
-    rows = _read_parquet(spark, _path(root, LEDGER_DIR), stored_schema(spark))
+    rows = _read_parquet(spark, join_path(root, LEDGER_DIR), stored_schema(spark))
     if rows is None:
         return None
     newest = Window.partitionBy(*LEDGER_KEY).orderBy(F.col("run_seq").desc())
@@ -220,8 +153,8 @@ def _resume(offsets: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, int], i
 def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
     """Run the ledger job once (see the module docstring); returns the committed run."""
     started = time.monotonic()
-    runs = committed_runs(spark, job.output)
-    last = runs[-1] if runs else None
+    runs = read_run_log(spark, job.output)
+    last = runs.latest
     seq = (last.run_seq + 1) if last else 1
     run_id = f"{seq:06d}-{uuid.uuid4().hex[:8]}"
     previous_offsets = last.offsets if last else {}
@@ -254,7 +187,7 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
         stats = _append_history(
             read(marker_ranges, "markers"),
             run,
-            _path(job.output, MARKERS_HISTORY_DIR),
+            join_path(job.output, MARKERS_HISTORY_DIR),
             F.count(F.lit(1)).alias("n"),
             F.count("error").alias("invalid"),
             F.collect_set("origin_topic").alias("topics"),
@@ -283,17 +216,15 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
         run.dlq_records_read = _append_history(
             read(dlq_ranges, "dlq").drop(*_PAYLOAD),
             run,
-            _path(job.output, DLQ_HISTORY_DIR),
+            join_path(job.output, DLQ_HISTORY_DIR),
             F.count(F.lit(1)).alias("n"),
         )["n"]
     _write_rows(spark, job, runs, run)
     run.offsets = _offsets([*marker_ranges, *dlq_ranges], previous_offsets)
     run.seconds = round(time.monotonic() - started, 3)
     run.committed_at = datetime.now(UTC).isoformat()
-    record = spark.createDataFrame(
-        [(run.run_seq, run.run_id, json.dumps(run.to_json()))], _RUNS_SCHEMA
-    )
-    record.coalesce(1).write.mode("append").json(_path(job.output, RUNS_DIR))
+    commit_run(spark, job.output, run)
+    checkpoint_if_due(spark, job.output, runs, job.checkpoint_every)
     return run
 
 
@@ -329,14 +260,14 @@ def _append_history(
     return observed.get
 
 
-def _write_rows(spark: SparkSession, job: LedgerJob, runs: list[LedgerRun], run: LedgerRun) -> None:
+def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRun) -> None:
     """Append the rows that this run changes (its history is written); fills in its counts."""
     params = job.params
     history = _read_parquet(
-        spark, _path(job.output, MARKERS_HISTORY_DIR), _history_schema("markers")
+        spark, join_path(job.output, MARKERS_HISTORY_DIR), _history_schema("markers")
     )
     dlq_history = _read_parquet(
-        spark, _path(job.output, DLQ_HISTORY_DIR), _history_schema("dlq", payload=False)
+        spark, join_path(job.output, DLQ_HISTORY_DIR), _history_schema("dlq", payload=False)
     )
     if history is None:
         return
@@ -380,6 +311,6 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: list[LedgerRun], run:
         "*", *_run_tag(run), F.lit(params.as_of).cast("timestamp").alias("as_of")
     ).observe(
         written, *[F.count_if(F.col("final_state") == s).alias(s) for s in FINAL_STATES]
-    ).write.mode("append").partitionBy("topic", "date").parquet(_path(job.output, LEDGER_DIR))
+    ).write.mode("append").partitionBy("topic", "date").parquet(join_path(job.output, LEDGER_DIR))
     run.states_written = {state: n for state, n in written.get.items() if n}
     run.rows_written = sum(run.states_written.values())

@@ -25,8 +25,9 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipeline.charts import PALETTE, bar_chart, hbar_chart, line_chart
-from pipeline.ledger import committed_runs, load_ledger
+from pipeline.ledger import load_ledger
 from pipeline.ledger_fold import FINAL_STATES, LedgerError, as_utc
+from pipeline.run_log import read_run_log
 
 PERCENTILES = (0.5, 0.9, 0.95, 0.99)
 _NICE_BUCKETS = (1, 5, 10, 30, 60, 300, 900, 1800, 3600, 6 * 3600, 86400, 7 * 86400)
@@ -92,13 +93,13 @@ def build_report(
     spark: SparkSession, root: str, *, bucket_seconds: int | None = None, top: int = 10
 ) -> dict[str, Any]:
     """The report's data (JSON-ready) for the ledger at ``root``."""
-    runs = committed_runs(spark, root)
+    runs = read_run_log(spark, root)
     ledger = load_ledger(spark, root, runs)
-    if ledger is None:
+    if ledger is None or runs.latest is None:
         raise LedgerError(f"no committed ledger at {root}")
     ledger = ledger.cache()
     try:
-        return _build(ledger, root, runs[-1].params.as_of, bucket_seconds, top)
+        return _build(ledger, root, runs.latest.params.as_of, bucket_seconds, top)
     finally:
         ledger.unpersist()
 

@@ -17,9 +17,10 @@ from pyspark.sql import SparkSession
 from support.broker import create_topics
 
 from pipeline.audit import audit_ledger
-from pipeline.ledger import LedgerJob, committed_runs, load_ledger, run_ledger
+from pipeline.ledger import LedgerJob, load_ledger, run_ledger
 from pipeline.ledger_fold import LedgerParams, as_utc
 from pipeline.report import build_report, render_html, write_report
+from pipeline.run_log import ARCHIVE_DIR, read_run_log
 from tracker.clock import to_millis
 
 from .workload import (
@@ -173,11 +174,15 @@ async def test_incremental_runs_append_only_what_changed(
     first = synthetic(script, topic, as_of_ms, only=[0, 2, 5, 6])
     await script.produce(kafka_bootstrap)
     root = str(tmp_path / "ledger")
-    one = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, root, _params(as_of)))
+
+    def job(as_of: datetime) -> LedgerJob:
+        return LedgerJob(kafka_bootstrap, markers, root, _params(as_of), checkpoint_every=1)
+
+    one = run_ledger(spark, job(as_of))
     assert one.rows_written == len(first)
 
     # Nothing new, same as-of: nothing is written.
-    same = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, root, _params(as_of)))
+    same = run_ledger(spark, job(as_of))
     assert (same.markers_read, same.rows_written) == (0, 0)
 
     # New markers for new messages, one DLQ record; and 55 minutes later the stuck message
@@ -185,14 +190,20 @@ async def test_incremental_runs_append_only_what_changed(
     rest = synthetic(script, topic, as_of_ms, only=[3, 7])
     await script.produce(kafka_bootstrap)
     later = as_of + timedelta(minutes=55)
-    two = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, root, _params(later)))
+    two = run_ledger(spark, job(later))
     assert two.markers_read == 3
     assert two.dlq_records_read == 1
     assert two.states_written == {"dead_lettered": 1, "lost": 2, "stuck": 1}
-    runs = committed_runs(spark, root)
-    assert [r.run_seq for r in runs] == [1, 2, 3]
-    assert sum(runs[-1].offsets[markers].values()) == 12, "every marker read, once"
-    assert runs[-1].offsets[f"{topic}.dlq"] == {"0": 1}
+    runs = read_run_log(spark, root)
+    assert [r.run_seq for r in runs.entries] == [1, 2, 3]
+    assert runs.latest is not None
+    assert sum(runs.latest.offsets[markers].values()) == 12, "every marker read, once"
+    assert runs.latest.offsets[f"{topic}.dlq"] == {"0": 1}
+    # A checkpoint after every run (checkpoint_every=1): runs 2 and 3 wrote checkpoints of
+    # the runs before them; a reader takes checkpoint 2 and run 3's record, and run 1's
+    # record file went to the archive once checkpoint 2 covered it twice over.
+    assert (runs.checkpoint, runs.uncovered) == (2, 1)
+    assert len(list((tmp_path / "ledger" / ARCHIVE_DIR).glob("part-*.json"))) == 1
 
     # The current ledger equals a fresh full run over the same history.
     full_root = str(tmp_path / "full")
@@ -221,7 +232,7 @@ async def test_a_run_that_died_before_its_commit_leaves_nothing_behind(
     died = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(as_of)))
     # What a run that died after writing its history and rows leaves: no commit record.
     shutil.rmtree(root / "_runs")
-    assert committed_runs(spark, str(root)) == []
+    assert read_run_log(spark, str(root)).latest is None
     assert load_ledger(spark, str(root)) is None
 
     rerun = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(as_of)))

@@ -1,0 +1,74 @@
+"""Asking the Hadoop file system that Spark reads a path with: existence, listing, renames.
+
+Any Hadoop URI works (a local path, ``s3a://``, ``hdfs://``, ``abfs://``), with the session's
+Hadoop configuration, so the pipeline's own bookkeeping sees exactly what Spark's readers see.
+Each call is a round trip to the JVM (and, on an object store, a request): callers keep the
+number of paths they ask about small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+
+def join_path(root: str, sub: str) -> str:
+    """``sub`` (a relative path) under ``root``, a directory URI with or without a trailing /."""
+    return f"{root.rstrip('/')}/{sub}"
+
+
+def _jvm(spark: SparkSession) -> Any:
+    jvm = spark.sparkContext._jvm
+    if jvm is None:  # pragma: no cover - a classic session always has its gateway
+        raise RuntimeError("this Spark session has no JVM gateway (Spark Connect?)")
+    return jvm
+
+
+def _fs_path(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    jvm = _jvm(spark)
+    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
+    conf = spark._jsparkSession.sessionState().newHadoopConf()
+    return hadoop_path.getFileSystem(conf), hadoop_path
+
+
+def path_exists(spark: SparkSession, path: str) -> bool:
+    """Whether ``path`` exists.
+
+    Asked before reading a directory that a first run has not written yet: Spark's reader
+    looks for a streaming sink's metadata there first and logs the ``FileNotFoundException``
+    it gets, with its whole Java stack trace, as a warning, though nothing is wrong.
+    """
+    fs, hadoop_path = _fs_path(spark, path)
+    return bool(fs.exists(hadoop_path))
+
+
+def visible_children(spark: SparkSession, path: str) -> list[str] | None:
+    """Names of the entries directly under ``path`` that Spark's readers would read (not
+    ``_SUCCESS``, ``_temporary``, ``.crc`` and other names starting with ``_`` or ``.``);
+    None if ``path`` does not exist."""
+    fs, hadoop_path = _fs_path(spark, path)
+    if not fs.exists(hadoop_path):
+        return None
+    names = [str(status.getPath().getName()) for status in fs.listStatus(hadoop_path)]
+    return sorted(name for name in names if not name.startswith(("_", ".")))
+
+
+def move_into(spark: SparkSession, sources: list[str], directory: str) -> None:
+    """Move the files ``sources`` into ``directory`` (made if missing), keeping their names.
+
+    A source that is gone already (moved by an earlier attempt) is skipped.
+    """
+    fs, target = _fs_path(spark, directory)
+    fs.mkdirs(target)
+    jvm = _jvm(spark)
+    for source in sources:
+        _, source_path = _fs_path(spark, source)
+        if fs.exists(source_path):
+            fs.rename(source_path, jvm.org.apache.hadoop.fs.Path(target, source_path.getName()))
+
+
+def delete_tree(spark: SparkSession, path: str) -> None:
+    """Delete ``path`` and everything under it (nothing happens if it does not exist)."""
+    fs, hadoop_path = _fs_path(spark, path)
+    fs.delete(hadoop_path, True)
