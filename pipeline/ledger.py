@@ -38,6 +38,7 @@ from pyspark.sql.types import (
 
 from pipeline.hadoop_fs import join_path, path_exists
 from pipeline.ledger_fold import (
+    CONTENT_HASH,
     FINAL_STATES,
     KEY,
     LEDGER_KEY,
@@ -134,6 +135,32 @@ def load_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> D
         .withColumn("_rank", F.row_number().over(newest))
         .where(F.col("_rank") == 1)
         .drop("_rank")
+    )
+
+
+def _current_state(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | None:
+    """What a run needs of the current ledger: per message, its latest committed row's
+    content hash and whether it is open (``in_flight`` or ``stuck``); None: no ledger yet.
+
+    Not :func:`load_ledger`: that window sorts every stored version of every row, whole
+    (attempt histories included), to hand readers the latest rows. This reads four narrow
+    columns besides the key and keeps the latest per message with a hash aggregation
+    (``max_by`` of fixed-width values by ``run_seq``, which is unique per message: a run
+    writes a message's row at most once).
+    """
+    if runs.latest is None:
+        return None
+    rows = _read_parquet(spark, join_path(root, LEDGER_DIR), stored_schema(spark))
+    if rows is None:
+        return None
+    seq = F.col("run_seq")
+    return (
+        _committed(rows, runs)
+        .groupBy(*LEDGER_KEY)
+        .agg(
+            F.max_by(CONTENT_HASH, seq).alias(CONTENT_HASH),
+            F.max_by(F.col("final_state").isin("in_flight", "stuck"), seq).alias("open"),
+        )
     )
 
 
@@ -281,7 +308,7 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
         if run.dlq_records_read:
             run.orphan_dlq_records = orphan_dead_letters(new_dlq, history).count()
 
-    previous = load_ledger(spark, job.output, runs)
+    previous = _current_state(spark, job.output, runs)
     if previous is not None:
         # Only messages with new markers or DLQ records, and open ones (time moves their
         # state), can change: rebuild those from their full history.
@@ -289,7 +316,7 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
         if new_dlq is not None:
             touched = touched.unionByName(new_dlq.where(F.col("error").isNull()).select(*KEY))
         touched = touched.unionByName(
-            previous.where(F.col("final_state").isin("in_flight", "stuck")).select(
+            previous.where(F.col("open")).select(
                 F.col("group"),
                 F.col("topic").alias("origin_topic"),
                 F.col("partition").alias("origin_partition"),
@@ -301,15 +328,13 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
             dlq_history = dlq_history.join(touched, KEY, "left_semi")
     dlq_input = dlq_history if params.dlq_checked else None
     rows = build_ledger(history, dlq_input, params)
-    content = rows.columns
-    rows = rows.withColumn("_fp", fingerprint(rows, content))
+    rows = rows.withColumn(CONTENT_HASH, fingerprint(rows, rows.columns))
     if previous is not None:
-        known = previous.select(*LEDGER_KEY, fingerprint(previous, content).alias("_fp"))
-        rows = rows.join(known, [*LEDGER_KEY, "_fp"], "left_anti")
+        # A row saying what the message's current row says is not written again.
+        known = previous.select(*LEDGER_KEY, CONTENT_HASH)
+        rows = rows.join(known, [*LEDGER_KEY, CONTENT_HASH], "left_anti")
     written = Observation("kmq-ledger-rows")
-    rows.drop("_fp").select(
-        "*", *_run_tag(run), F.lit(params.as_of).cast("timestamp").alias("as_of")
-    ).observe(
+    rows.select("*", *_run_tag(run), F.lit(params.as_of).cast("timestamp").alias("as_of")).observe(
         written, *[F.count_if(F.col("final_state") == s).alias(s) for s in FINAL_STATES]
     ).write.mode("append").partitionBy("topic", "date").parquet(join_path(job.output, LEDGER_DIR))
     run.states_written = {state: n for state, n in written.get.items() if n}

@@ -32,6 +32,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     IntegerType,
+    LongType,
     StringType,
     StructType,
     TimestampType,
@@ -377,9 +378,15 @@ def stored_schema(spark: SparkSession) -> StructType:
         ("run_seq", IntegerType()),
         ("run_id", StringType()),
         ("as_of", TimestampType()),
+        (CONTENT_HASH, LongType()),
     ):
         schema = schema.add(name, data_type)
     return schema
+
+
+#: The stored column with a row's :func:`fingerprint`: the next run compares against it
+#: without reading the row's other columns (null in rows written before it existed).
+CONTENT_HASH = "content_hash"
 
 
 def fingerprint(ledger: DataFrame, columns: Sequence[str]) -> Column:

@@ -18,7 +18,7 @@ from support.broker import create_topics
 
 from pipeline.audit import audit_ledger
 from pipeline.ledger import LedgerJob, load_ledger, run_ledger
-from pipeline.ledger_fold import LedgerParams, as_utc
+from pipeline.ledger_fold import CONTENT_HASH, LedgerParams, as_utc
 from pipeline.report import build_report, render_html, write_report
 from pipeline.run_log import ARCHIVE_DIR, read_run_log
 from tracker.clock import to_millis
@@ -218,6 +218,50 @@ async def test_incremental_runs_append_only_what_changed(
     assert full.drop(*drop).exceptAll(incremental.drop(*drop)).count() == 0
     states = {r["offset"]: r["final_state"] for r in incremental.collect() if r["group"] == GROUP}
     assert states == {0: "acked", 2: "acked", 3: "dead_lettered", 5: "stuck", 6: "lost", 7: "lost"}
+
+
+async def test_a_ledger_written_before_content_hashes_were_stored_goes_on_exactly(
+    spark: SparkSession, kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
+) -> None:
+    """Rows without a stored content hash (written by an older version) compare as changed:
+    a run writes such a row again when it rebuilds it, and the ledger stays exact."""
+    topic, markers = await _topics(kafka_bootstrap, topic_factory)
+    as_of = datetime.now(UTC).replace(microsecond=0)
+    script = Script(markers, 3)
+    synthetic(script, topic, to_millis(as_of), only=[0, 2, 5, 6])
+    await script.produce(kafka_bootstrap)
+    root = tmp_path / "ledger"
+    run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(as_of)))
+    # What the older version left: the same rows without the column.
+    older = tmp_path / "older-rows"
+    spark.read.parquet(str(root / "ledger")).drop(CONTENT_HASH).write.partitionBy(
+        "topic", "date"
+    ).parquet(str(older))
+    shutil.rmtree(root / "ledger")
+    shutil.move(older, root / "ledger")
+    # Nothing new, the same as-of: the open rows (5, 6) are rebuilt as every run does, and
+    # written once more because nothing says they did not change; then never again.
+    again = [
+        run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(as_of)))
+        for _ in range(2)
+    ]
+    assert [r.rows_written for r in again] == [2, 0]
+
+    synthetic(script, topic, to_millis(as_of), only=[3, 7])
+    await script.produce(kafka_bootstrap)
+    later = as_of + timedelta(minutes=55)
+    run = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(later)))
+    # New messages 3 and 7, open 5 and 6 rebuilt (their state moved, as with hashes).
+    assert run.states_written == {"dead_lettered": 1, "lost": 2, "stuck": 1}
+    full_root = str(tmp_path / "full")
+    run_ledger(spark, LedgerJob(kafka_bootstrap, markers, full_root, _params(later)))
+    drop = ["run_seq", "run_id", "as_of", CONTENT_HASH]
+    incremental = load_ledger(spark, str(root))
+    full = load_ledger(spark, full_root)
+    assert incremental is not None
+    assert full is not None
+    assert incremental.drop(*drop).exceptAll(full.drop(*drop)).count() == 0
+    assert full.drop(*drop).exceptAll(incremental.drop(*drop)).count() == 0
 
 
 async def test_a_run_that_died_before_its_commit_leaves_nothing_behind(
