@@ -11,7 +11,9 @@ Two measurements, each with its own baseline:
   Measured: the whole ledger job (``run_ledger``: read, decode, history and ledger Parquet,
   commit record), and the same job once more in the same session, into a new ledger
   directory: the same work with a warm JVM, as runs after the first get it with
-  ``ledger --every`` (an incremental run there also scans the history already written).
+  ``ledger --every``; then an incremental run on that ledger after 2 % more markers were
+  produced (new messages): what each run of ``ledger --every`` costs on a ledger of that age
+  (it also scans the history and the stored rows already written).
 
 Usage: python -m bench.pipeline_ledger [--markers N] [--mode both|memory|broker]
        [--master local[*]] [--bootstrap HOST:PORT] [--output PATH]
@@ -43,6 +45,8 @@ GROUP = "billing"
 QUEUE_PARTITIONS = 12
 MARKERS_PARTITIONS = 4
 BASE_MS = 1_780_000_000_000
+#: The new markers of the incremental run, as a share of the markers of the first runs.
+INCREMENT = 0.02
 
 
 def message_markers(i: int) -> list[tuple[int, bytes]]:
@@ -167,7 +171,7 @@ def bench_memory(spark: Any, markers: int, workdir: Path) -> dict[str, Any]:
     }
 
 
-async def _produce(bootstrap: str, topic: str, messages: int) -> int:
+async def _produce(bootstrap: str, topic: str, messages: int, first: int = 0) -> int:
     from aiokafka import AIOKafkaProducer  # noqa: PLC0415
 
     producer = AIOKafkaProducer(
@@ -177,7 +181,7 @@ async def _produce(bootstrap: str, topic: str, messages: int) -> int:
     sent = 0
     try:
         pending = []
-        for i in range(messages):
+        for i in range(first, first + messages):
             origin_partition = i % QUEUE_PARTITIONS
             partition = markers_partition(TOPIC, origin_partition, MARKERS_PARTITIONS)
             key = marker_key(TOPIC, origin_partition)
@@ -253,6 +257,12 @@ def bench_broker(spark: Any, markers: int, workdir: Path, bootstrap: str | None)
         again = dataclasses.replace(job, output=str(workdir / "ledger-again"))
         again_s, run_again = _timed(lambda: run_ledger(spark, again))
         assert run_again.rows_written == run.rows_written, "the same job, the same rows"
+        # An incremental run on that ledger, as `ledger --every` runs it: new messages worth
+        # INCREMENT of the markers (messages after the ones produced so far).
+        new_messages = messages_for(int(markers * INCREMENT))
+        added = asyncio.run(_produce(bootstrap, topic, new_messages, first=messages))
+        increment_s, increment = _timed(lambda: run_ledger(spark, again))
+        assert increment.markers_read == added, "an incremental run reads only the new markers"
         return {
             "markers": sent,
             "messages": run.rows_written,
@@ -261,12 +271,20 @@ def bench_broker(spark: Any, markers: int, workdir: Path, bootstrap: str | None)
                 "baseline_read_raw": round(baseline_s, 3),
                 "ledger_job": round(ledger_s, 3),
                 "ledger_job_again": round(again_s, 3),
+                "ledger_job_incremental": round(increment_s, 3),
             },
             "rates_per_s": {
                 "produce": round(sent / produce_s),
                 "baseline_read_raw": round(sent / baseline_s),
                 "ledger_job": round(sent / ledger_s),
                 "ledger_job_again": round(sent / again_s),
+                "ledger_job_incremental": round(added / increment_s),
+            },
+            "incremental": {
+                "new_markers": added,
+                "ledger_markers_before": sent,
+                "ledger_rows_before": run_again.rows_written,
+                "rows_written": increment.rows_written,
             },
             "ratios": {
                 "ledger_job_vs_baseline": round(baseline_s / ledger_s, 3),
