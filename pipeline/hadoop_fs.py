@@ -54,18 +54,21 @@ def visible_children(spark: SparkSession, path: str) -> list[str] | None:
     return sorted(name for name in names if not name.startswith(("_", ".")))
 
 
-def move_into(spark: SparkSession, sources: list[str], directory: str) -> None:
-    """Move the files ``sources`` into ``directory`` (made if missing), keeping their names.
-
-    A source that is gone already (moved by an earlier attempt) is skipped.
-    """
+def move_into(spark: SparkSession, names: list[str], source: str, directory: str) -> list[str]:
+    """Move the files ``names`` from the directory ``source`` into ``directory`` (made if
+    missing), keeping their names; returns the names that could not be moved (gone already,
+    or refused by the file system)."""
     fs, target = _fs_path(spark, directory)
     fs.mkdirs(target)
-    jvm = _jvm(spark)
-    for source in sources:
-        _, source_path = _fs_path(spark, source)
-        if fs.exists(source_path):
-            fs.rename(source_path, jvm.org.apache.hadoop.fs.Path(target, source_path.getName()))
+    path = _jvm(spark).org.apache.hadoop.fs.Path
+    _, source_dir = _fs_path(spark, source)
+    return [name for name in names if not fs.rename(path(source_dir, name), path(target, name))]
+
+
+def touch(spark: SparkSession, path: str) -> None:
+    """Create the empty file ``path`` (replacing one that is there)."""
+    fs, hadoop_path = _fs_path(spark, path)
+    fs.create(hadoop_path, True).close()
 
 
 def delete_tree(spark: SparkSession, path: str) -> None:

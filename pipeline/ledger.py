@@ -42,6 +42,7 @@ from pipeline.ledger_fold import (
     FINAL_STATES,
     KEY,
     LEDGER_KEY,
+    STATES_TIME_MOVES,
     LedgerParams,
     build_ledger,
     fingerprint,
@@ -138,9 +139,13 @@ def load_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> D
     )
 
 
+_TIME_MOVES = "time_moves"
+
+
 def _current_state(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | None:
     """What a run needs of the current ledger: per message, its latest committed row's
-    content hash and whether it is open (``in_flight`` or ``stuck``); None: no ledger yet.
+    content hash and whether time still moves its state (``in_flight`` or ``stuck``: such a
+    message is rebuilt by every run); None: no ledger yet.
 
     Not :func:`load_ledger`: that window sorts every stored version of every row, whole
     (attempt histories included), to hand readers the latest rows. This reads four narrow
@@ -159,7 +164,7 @@ def _current_state(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | 
         .groupBy(*LEDGER_KEY)
         .agg(
             F.max_by(CONTENT_HASH, seq).alias(CONTENT_HASH),
-            F.max_by(F.col("final_state").isin("in_flight", "stuck"), seq).alias("open"),
+            F.max_by(F.col("final_state").isin(*STATES_TIME_MOVES), seq).alias(_TIME_MOVES),
         )
     )
 
@@ -316,7 +321,7 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
         if new_dlq is not None:
             touched = touched.unionByName(new_dlq.where(F.col("error").isNull()).select(*KEY))
         touched = touched.unionByName(
-            previous.where(F.col("open")).select(
+            previous.where(F.col(_TIME_MOVES)).select(
                 F.col("group"),
                 F.col("topic").alias("origin_topic"),
                 F.col("partition").alias("origin_partition"),

@@ -48,6 +48,8 @@ LEDGER_KEY = ["group", "topic", "partition", "offset"]
 
 FINAL_STATES = ("acked", "dead_lettered", "in_flight", "stuck", "lost")
 OPEN_STATES = ("in_flight", "stuck", "lost")
+#: Open states that time still moves (``lost`` is where they end): a run judges these again.
+STATES_TIME_MOVES = ("in_flight", "stuck")
 BROKEN_STATES = ("stuck", "lost")
 
 

@@ -63,11 +63,12 @@ async def read_markers(
             positions = [await consumer.position(tp) for tp in tps]
             if all(position >= end[tp] for position, tp in zip(positions, tps, strict=True)):
                 break
-            assert loop.time() < deadline + 5, (
-                f"read {len(out)} markers (wanted {at_least}); positions "
-                f"{dict(zip(partitions, positions, strict=True))} short of end offsets "
-                f"{ {tp.partition: offset for tp, offset in end.items()} }"
-            )
+            if loop.time() > deadline + 5:
+                raise AssertionError(
+                    f"read {len(out)} markers (wanted {at_least}); positions "
+                    f"{dict(zip(partitions, positions, strict=True))} short of end offsets "
+                    f"{ {tp.partition: offset for tp, offset in end.items()} }"
+                )
             _take(out, await consumer.getmany(timeout_ms=200))
         return [out[at] for at in sorted(out)]
     finally:

@@ -7,6 +7,7 @@ reader finds, and what a checkpoint lets it skip.
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from pipeline.ledger_fold import LedgerParams
+from pipeline import run_log
+from pipeline.ledger_fold import LedgerError, LedgerParams
 from pipeline.run_log import (
     ARCHIVE_DIR,
     CHECKPOINT_DIR,
@@ -74,7 +76,7 @@ def test_a_reader_finds_every_committed_run_through_checkpoints(
         assert log.latest == run, "the newest record, whole"
         assert log.invalid_markers == sum(r.invalid_markers for r in committed)
         assert log.orphan_dlq_records == len(committed)
-        assert log.uncovered <= 2 * 3, "never more than two checkpoints' worth of files"
+        assert _records(root, RUNS_DIR) <= 2 * 3, "never more than two checkpoints' worth"
 
     # Runs 4, 7 found 3 records not covered (1-3, then 4-6 besides checkpoint 3): each
     # checkpointed the runs before it.
@@ -104,7 +106,7 @@ def test_a_checkpoint_whose_writer_died_is_ignored(spark: SparkSession, tmp_path
     for _ in range(3):
         _commit_next(spark, str(root), every=100)
     whole = read_run_log(spark, str(root))
-    # What a writer that died while writing leaves: files, no _SUCCESS.
+    # What a writer that died while writing leaves: its file, no completion marker.
     broken = root / CHECKPOINT_DIR / "seq=000000003"
     broken.mkdir(parents=True)
     (broken / "part-00000-dead.json").write_text('{"run_seq": 1, "run_id": "x"')
@@ -124,3 +126,42 @@ def test_a_failed_checkpoint_leaves_the_run_committed(
     assert not checkpoint_if_due(spark, str(root), log, every=1)
     assert "checkpoint was not written" in caplog.text
     assert read_run_log(spark, str(root)).run_ids == log.run_ids
+
+
+def test_a_reader_misses_nothing_the_writer_archives_while_it_reads(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "ledger"
+    for _ in range(6):  # run 4 checkpointed runs 1-3; runs 4-6 are not covered yet
+        _commit_next(spark, str(root), every=3)
+    choose = run_log._newest_complete_checkpoint
+    interleaved: list[RunLog] = []
+
+    def choose_then_let_a_writer_run(spark: SparkSession, root: str) -> int | None:
+        chosen = choose(spark, root)
+        if not interleaved:  # the reader under test (the writer's own read passes through)
+            interleaved.append(RunLog())
+            _, started_from, checkpointed = _commit_next(spark, root, every=3)
+            interleaved[0] = started_from
+            assert checkpointed, "run 7 checkpointed 1-6 and archived 1-3"
+        return chosen
+
+    monkeypatch.setattr(run_log, "_newest_complete_checkpoint", choose_then_let_a_writer_run)
+    log = read_run_log(spark, str(root))
+    assert log.checkpoint == 3, "the reader holds the checkpoint it chose before the writer ran"
+    assert _records(root, ARCHIVE_DIR) == 3, "and the writer moved the files it covers"
+    assert [e.run_seq for e in log.entries] == list(range(1, 8))
+    assert log.run_ids == [*interleaved[0].run_ids, log.entries[-1].run_id]
+
+
+def test_a_record_gone_from_the_run_log_is_an_error_not_a_shorter_log(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    root = tmp_path / "ledger"
+    for _ in range(3):
+        _commit_next(spark, str(root), every=100)
+    for record in (root / RUNS_DIR).glob("part-*.json"):
+        if json.loads(record.read_text())["run_seq"] == 2:
+            record.unlink()
+    with pytest.raises(LedgerError, match=r"damaged: run numbers 1, 3 \(expected 1 to 2"):
+        read_run_log(spark, str(root))
