@@ -122,18 +122,22 @@ def _committed(df: DataFrame, runs: RunLog, current: str | None = None) -> DataF
     return df.where(F.col("run_id").isin(ids))
 
 
-def load_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> DataFrame | None:
-    """The current ledger: the latest committed row of every message (None: no ledger yet)."""
-    runs = read_run_log(spark, root) if runs is None else runs
+def _committed_rows(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | None:
+    """Every stored version of every ledger row that a committed run wrote (None: none yet)."""
     if runs.latest is None:
         return None
     rows = _read_parquet(spark, join_path(root, LEDGER_DIR), stored_schema(spark))
+    return None if rows is None else _committed(rows, runs)
+
+
+def load_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> DataFrame | None:
+    """The current ledger: the latest committed row of every message (None: no ledger yet)."""
+    rows = _committed_rows(spark, root, read_run_log(spark, root) if runs is None else runs)
     if rows is None:
         return None
     newest = Window.partitionBy(*LEDGER_KEY).orderBy(F.col("run_seq").desc())
     return (
-        _committed(rows, runs)
-        .withColumn("_rank", F.row_number().over(newest))
+        rows.withColumn("_rank", F.row_number().over(newest))
         .where(F.col("_rank") == 1)
         .drop("_rank")
     )
@@ -153,19 +157,13 @@ def _current_state(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | 
     (``max_by`` of fixed-width values by ``run_seq``, which is unique per message: a run
     writes a message's row at most once).
     """
-    if runs.latest is None:
-        return None
-    rows = _read_parquet(spark, join_path(root, LEDGER_DIR), stored_schema(spark))
+    rows = _committed_rows(spark, root, runs)
     if rows is None:
         return None
     seq = F.col("run_seq")
-    return (
-        _committed(rows, runs)
-        .groupBy(*LEDGER_KEY)
-        .agg(
-            F.max_by(CONTENT_HASH, seq).alias(CONTENT_HASH),
-            F.max_by(F.col("final_state").isin(*STATES_TIME_MOVES), seq).alias(_TIME_MOVES),
-        )
+    return rows.groupBy(*LEDGER_KEY).agg(
+        F.max_by(CONTENT_HASH, seq).alias(CONTENT_HASH),
+        F.max_by(F.col("final_state").isin(*STATES_TIME_MOVES), seq).alias(_TIME_MOVES),
     )
 
 
