@@ -16,6 +16,7 @@ import pytest
 from pyspark.sql import SparkSession
 from support.broker import create_topics
 
+import pipeline.ledger as ledger_module
 from pipeline.audit import audit_ledger
 from pipeline.ledger import LedgerJob, load_ledger, run_ledger
 from pipeline.ledger_fold import CONTENT_HASH, LedgerParams, as_utc
@@ -264,6 +265,15 @@ async def test_a_ledger_written_before_content_hashes_were_stored_goes_on_exactl
     assert full.drop(*drop).exceptAll(incremental.drop(*drop)).count() == 0
 
 
+@pytest.fixture(params=["inline", "joined"])
+def committed_ids(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Committed run ids as an IN list, or joined, as with more runs than a list holds."""
+    if request.param == "joined":
+        monkeypatch.setattr(ledger_module, "COMMITTED_IDS_INLINE", 0)
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("committed_ids")
 async def test_a_run_that_died_before_its_commit_leaves_nothing_behind(
     spark: SparkSession, kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
 ) -> None:
