@@ -22,8 +22,8 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from pipeline.ledger import load_ledger
 from pipeline.ledger_fold import BROKEN_STATES, OPEN_STATES, LedgerError, as_utc, open_state
+from pipeline.ledger_store import load_ledger
 from pipeline.run_log import read_run_log
 from tracker.clock import to_millis
 

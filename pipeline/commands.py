@@ -133,6 +133,33 @@ def _kafka_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _ledger_repeat_args(parser: argparse.ArgumentParser) -> None:
+    """What a ledger kept over many runs needs: repeating, and compacting its files."""
+    parser.add_argument(
+        "--compact-every",
+        type=int,
+        default=None,
+        metavar="RUNS",
+        help="compact the ledger's files after this many runs (default 288; 0: never)",
+    )
+    loop = parser.add_argument_group("repeating (one Spark session, docs/pipeline.md)")
+    loop.add_argument(
+        "--every",
+        type=duration_ms,
+        default=None,
+        help="run again every INTERVAL until SIGTERM/SIGINT (each run's JSON is one line)",
+    )
+    loop.add_argument(
+        "--runs", type=int, default=None, help="with --every: stop after this many runs"
+    )
+    loop.add_argument(
+        "--max-failures",
+        type=int,
+        default=None,
+        help="with --every: give up after this many failed runs in a row (default 3)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m pipeline",
@@ -182,22 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ledger.add_argument("--from", dest="start", help="start bound for partitions not yet read")
     ledger.add_argument("--to", dest="end", help="end bound (default: the end at the start)")
-    loop = ledger.add_argument_group("repeating (one Spark session, docs/pipeline.md)")
-    loop.add_argument(
-        "--every",
-        type=duration_ms,
-        default=None,
-        help="run again every INTERVAL until SIGTERM/SIGINT (each run's JSON is one line)",
-    )
-    loop.add_argument(
-        "--runs", type=int, default=None, help="with --every: stop after this many runs"
-    )
-    loop.add_argument(
-        "--max-failures",
-        type=int,
-        default=None,
-        help="with --every: give up after this many failed runs in a row (default 3)",
-    )
+    _ledger_repeat_args(ledger)
     ledger.set_defaults(func=_cmd_ledger)
 
     audit = commands.add_parser("audit", help="list broken chains; exit 1 if any")
@@ -279,7 +291,8 @@ def _cmd_ledger(args: argparse.Namespace) -> int:
 def _ledger_job(args: argparse.Namespace) -> LedgerJob:
     """The job the options describe, judged at ``--as-of`` or now."""
     from pipeline.ledger import LedgerJob  # noqa: PLC0415
-    from pipeline.ledger_fold import LedgerParams  # noqa: PLC0415
+    from pipeline.ledger_compaction import COMPACT_EVERY  # noqa: PLC0415
+    from pipeline.ledger_fold import LedgerError, LedgerParams  # noqa: PLC0415
     from pipeline.offsets import Bound  # noqa: PLC0415
 
     params = LedgerParams(
@@ -290,6 +303,8 @@ def _ledger_job(args: argparse.Namespace) -> LedgerJob:
         policy_delay_ms=args.policy_delay,
         dlq_checked=not args.no_dlq,
     )
+    if args.compact_every is not None and args.compact_every < 0:
+        raise LedgerError("--compact-every must be 0 (never) or a number of runs")
     end = Bound.parse(args.end) if args.end else None
     if end is None and args.as_of is not None:
         end = Bound.at_time(args.as_of)  # an explicit as-of reads what existed then
@@ -305,6 +320,7 @@ def _ledger_job(args: argparse.Namespace) -> LedgerJob:
         client_config=_config(args.kafka_config),
         source=args.source,
         spark_kafka_options=dict(args.spark_kafka_option or ()),
+        compact_every=COMPACT_EVERY if args.compact_every is None else args.compact_every,
     )
 
 

@@ -75,3 +75,18 @@ def delete_tree(spark: SparkSession, path: str) -> None:
     """Delete ``path`` and everything under it (nothing happens if it does not exist)."""
     fs, hadoop_path = _fs_path(spark, path)
     fs.delete(hadoop_path, True)
+
+
+def delete_files(spark: SparkSession, paths: list[str]) -> list[str]:
+    """Delete the files ``paths`` (full URIs on one file system); returns those still there
+    afterwards (a file already gone counts as deleted)."""
+    if not paths:
+        return []
+    fs, _ = _fs_path(spark, paths[0])
+    path = _jvm(spark).org.apache.hadoop.fs.Path
+    left: list[str] = []
+    for name in paths:
+        hadoop_path = path(name)
+        if not fs.delete(hadoop_path, False) and fs.exists(hadoop_path):
+            left.append(name)
+    return left

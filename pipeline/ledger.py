@@ -1,20 +1,14 @@
 """The delivery ledger job: incremental runs that read markers and dead letters from Kafka,
-fold them (:mod:`pipeline.ledger_fold`) and keep the result in a ledger directory.
-
-Incremental runs. A ledger directory holds::
-
-    ledger/topic=<t>/date=<d>/      ledger rows (Parquet), each with the run that wrote it
-    history/markers/date=<d>/       every marker read (valid or not), with its run
-    history/dlq/date=<d>/           every dead-letter record read (without payload)
-    _runs/                          one JSON record per committed run: as-of, parameters,
-                                    the next offset of every partition read, counts
-    _runs_checkpoint/, _runs_archive/   the run log's checkpoints (see pipeline.run_log)
+fold them (:mod:`pipeline.ledger_fold`) and keep the result in a ledger directory (its layout,
+and which stored rows count: :mod:`pipeline.ledger_store`).
 
 A run reads only the offsets after the previous run's, appends them to the history, rebuilds
 the rows of the messages they touch (plus open rows, whose state moves with time) from their
 full history, and appends only rows that changed. The run is committed by its ``_runs`` record,
 written last: rows of a run that died before that are ignored by every reader, and the next
 run reads the same offsets again. The current ledger is the latest committed row per message.
+Every ``compact_every`` runs, a run then compacts the directory's files
+(:mod:`pipeline.ledger_compaction`).
 """
 
 from __future__ import annotations
@@ -26,17 +20,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pyspark.errors import AnalysisException
-from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import (
-    DateType,
-    IntegerType,
-    StringType,
-    StructType,
-)
 
-from pipeline.hadoop_fs import join_path, path_exists
+from pipeline.hadoop_fs import join_path
+from pipeline.ledger_compaction import COMPACT_EVERY, compact_if_due
 from pipeline.ledger_fold import (
     CONTENT_HASH,
     FINAL_STATES,
@@ -47,7 +35,15 @@ from pipeline.ledger_fold import (
     build_ledger,
     fingerprint,
     orphan_dead_letters,
-    stored_schema,
+)
+from pipeline.ledger_store import (
+    DLQ_HISTORY_DIR,
+    LEDGER_DIR,
+    MARKERS_HISTORY_DIR,
+    PAYLOAD_COLUMNS,
+    committed,
+    committed_rows,
+    read_history,
 )
 from pipeline.offsets import (
     Bound,
@@ -55,7 +51,6 @@ from pipeline.offsets import (
     existing_topics,
     resolve_ranges,
 )
-from pipeline.record_schemas import spark_schema
 from pipeline.run_log import (
     CHECKPOINT_EVERY,
     LedgerRun,
@@ -65,10 +60,6 @@ from pipeline.run_log import (
     read_run_log,
 )
 from pipeline.source import DEFAULT_CHUNK, read_kafka
-
-LEDGER_DIR = "ledger"
-MARKERS_HISTORY_DIR = "history/markers"
-DLQ_HISTORY_DIR = "history/dlq"
 
 # --------------------------------------------------------------------------------------------
 # The incremental job
@@ -91,70 +82,8 @@ class LedgerJob:
     spark_kafka_options: Mapping[str, str] = field(default_factory=dict)
     #: run records read from their own files that make a run checkpoint the run log
     checkpoint_every: int = CHECKPOINT_EVERY
-
-
-def _read_parquet(
-    spark: SparkSession, path: str, schema: StructType | None = None
-) -> DataFrame | None:
-    """Parquet at ``path``, or None if nothing was written there yet.
-
-    With ``schema``, partition columns get their types from it rather than being guessed from
-    directory names (a topic called ``2024`` would otherwise come back as a number).
-    """
-    if not path_exists(spark, path):
-        return None
-    reader = spark.read.schema(schema) if schema is not None else spark.read
-    try:
-        return reader.parquet(path)
-    except AnalysisException as exc:
-        if "PATH_NOT_FOUND" in str(exc) or "UNABLE_TO_INFER_SCHEMA" in str(exc):
-            return None
-        raise
-
-
-#: Up to this many run ids, :func:`_committed` filters with an ``IN`` list; beyond, with a
-#: broadcast semi-join. PySpark builds an ``IN`` list with a JVM call per value (~0.45 ms
-#: each: 0.9 s for a week of five-minute runs, 47 s for a year) and every task carries the
-#: list; the join costs ~0.1 s more than a short list, and ~1.4 s at a year of runs.
-COMMITTED_IDS_INLINE = 64
-
-
-def _committed(df: DataFrame, runs: RunLog, current: str | None = None) -> DataFrame:
-    """Rows written by a committed run (and by the ``current`` run, by its id).
-
-    By run id, not sequence number: a run that died before its commit record leaves rows
-    under the sequence number its rerun takes again, and those rows must stay invisible.
-    """
-    ids = runs.run_ids + ([current] if current is not None else [])
-    if not ids or len(ids) <= COMMITTED_IDS_INLINE:
-        return df.where(F.col("run_id").isin(ids))
-    # One literal split in the JVM, not a literal per id (run ids are "<seq>-<hex>").
-    committed = df.sparkSession.range(1).select(
-        F.explode(F.split(F.lit("\n".join(ids)), "\n")).alias("committed_id")
-    )
-    on = df["run_id"] == committed["committed_id"]
-    return df.join(F.broadcast(committed), on, "left_semi")  # keeps df's columns and order
-
-
-def _committed_rows(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | None:
-    """Every stored version of every ledger row that a committed run wrote (None: none yet)."""
-    if runs.latest is None:
-        return None
-    rows = _read_parquet(spark, join_path(root, LEDGER_DIR), stored_schema(spark))
-    return None if rows is None else _committed(rows, runs)
-
-
-def load_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> DataFrame | None:
-    """The current ledger: the latest committed row of every message (None: no ledger yet)."""
-    rows = _committed_rows(spark, root, read_run_log(spark, root) if runs is None else runs)
-    if rows is None:
-        return None
-    newest = Window.partitionBy(*LEDGER_KEY).orderBy(F.col("run_seq").desc())
-    return (
-        rows.withColumn("_rank", F.row_number().over(newest))
-        .where(F.col("_rank") == 1)
-        .drop("_rank")
-    )
+    #: runs after which a run compacts the ledger (see pipeline.ledger_compaction; 0: never)
+    compact_every: int = COMPACT_EVERY
 
 
 _TIME_MOVES = "time_moves"
@@ -165,13 +94,13 @@ def _current_state(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | 
     content hash and whether time still moves its state (``in_flight`` or ``stuck``: such a
     message is rebuilt by every run); None: no ledger yet.
 
-    Not :func:`load_ledger`: that window sorts every stored version of every row, whole
-    (attempt histories included), to hand readers the latest rows. This reads four narrow
-    columns besides the key and keeps the latest per message with a hash aggregation
-    (``max_by`` of fixed-width values by ``run_seq``, which is unique per message: a run
-    writes a message's row at most once).
+    Not :func:`pipeline.ledger_store.load_ledger`: that window sorts every stored version of
+    every row, whole (attempt histories included), to hand readers the latest rows. This
+    reads four narrow columns besides the key and keeps the latest per message with a hash
+    aggregation (``max_by`` of fixed-width values by ``run_seq``, which is unique per
+    message: a run writes a message's row at most once, and a compaction keeps one).
     """
-    rows = _committed_rows(spark, root, runs)
+    rows = committed_rows(spark, root, runs)
     if rows is None:
         return None
     seq = F.col("run_seq")
@@ -205,7 +134,7 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
     resume = _resume(previous_offsets)
 
     def read(ranges: Sequence[OffsetRange], fmt: str) -> DataFrame:
-        return read_kafka(
+        records = read_kafka(
             spark,
             bootstrap=job.bootstrap,
             ranges=ranges,
@@ -215,6 +144,10 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
             source=job.source,
             spark_kafka_options=job.spark_kafka_options,
         )
+        # A task per `chunk` offsets in all, not per partition with new records: each task
+        # writes a history file, and every later run pays for each file it scans (~0.8 ms),
+        # so a small run of a 32-partition markers topic would add 32 files.
+        return records.coalesce(max(1, -(-sum(r.size for r in ranges) // job.chunk)))
 
     marker_ranges = resolve_ranges(
         job.bootstrap,
@@ -258,7 +191,7 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
     )
     if sum(r.size for r in dlq_ranges):
         run.dlq_records_read = _append_history(
-            read(dlq_ranges, "dlq").drop(*_PAYLOAD),
+            read(dlq_ranges, "dlq").drop(*PAYLOAD_COLUMNS),
             run,
             join_path(job.output, DLQ_HISTORY_DIR),
             F.count(F.lit(1)).alias("n"),
@@ -269,22 +202,8 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
     run.committed_at = datetime.now(UTC).isoformat()
     commit_run(spark, job.output, run)
     checkpoint_if_due(spark, job.output, runs, job.checkpoint_every)
+    compact_if_due(spark, job.output, runs, run.run_seq, job.compact_every)
     return run
-
-
-def _history_schema(fmt: str, *, payload: bool = True) -> StructType:
-    fields = [f for f in spark_schema(fmt).fields if payload or f.name not in _PAYLOAD]
-    schema = StructType(fields)
-    for name, data_type in (
-        ("run_seq", IntegerType()),
-        ("run_id", StringType()),
-        ("date", DateType()),
-    ):
-        schema = schema.add(name, data_type)
-    return schema
-
-
-_PAYLOAD = {"key", "value", "headers"}
 
 
 def _run_tag(run: LedgerRun) -> list[Column]:
@@ -307,21 +226,17 @@ def _append_history(
 def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRun) -> None:
     """Append the rows that this run changes (its history is written); fills in its counts."""
     params = job.params
-    history = _read_parquet(
-        spark, join_path(job.output, MARKERS_HISTORY_DIR), _history_schema("markers")
-    )
-    dlq_history = _read_parquet(
-        spark, join_path(job.output, DLQ_HISTORY_DIR), _history_schema("dlq", payload=False)
-    )
+    history = read_history(spark, job.output, "markers")
+    dlq_history = read_history(spark, job.output, "dlq")
     if history is None:
         return
     this_run = F.col("run_id") == run.run_id
     new_markers = history.where(this_run)
-    history = _committed(history, runs, run.run_id).drop("run_seq", "run_id", "date")
+    history = committed(history, runs, run.run_id).drop("run_seq", "run_id", "date")
     new_dlq = None
     if dlq_history is not None:
         new_dlq = dlq_history.where(this_run)
-        dlq_history = _committed(dlq_history, runs, run.run_id).drop("run_seq", "run_id", "date")
+        dlq_history = committed(dlq_history, runs, run.run_id).drop("run_seq", "run_id", "date")
         if run.dlq_records_read:
             run.orphan_dlq_records = orphan_dead_letters(new_dlq, history).count()
 

@@ -25,8 +25,8 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipeline.charts import PALETTE, bar_chart, hbar_chart, line_chart
-from pipeline.ledger import load_ledger
 from pipeline.ledger_fold import FINAL_STATES, LedgerError, as_utc
+from pipeline.ledger_store import load_ledger
 from pipeline.run_log import read_run_log
 
 PERCENTILES = (0.5, 0.9, 0.95, 0.99)

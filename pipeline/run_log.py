@@ -39,7 +39,14 @@ from typing import Any
 
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import IntegerType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    BooleanType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from pipeline.hadoop_fs import (
     delete_tree,
@@ -75,6 +82,8 @@ _CHECKPOINT_SCHEMA = StructType(
         # what the audit adds up over all runs
         StructField("invalid_markers", LongType()),
         StructField("orphan_dlq_records", LongType()),
+        # a compaction run (null in checkpoints written before compactions existed)
+        StructField("compaction", BooleanType()),
     ],
 )
 
@@ -99,6 +108,9 @@ class LedgerRun:
     states_written: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     committed_at: str = ""
+    #: a compaction (see pipeline.ledger_compaction): read nothing, rewrote every row that
+    #: counted as its own; rows of runs before it no longer count
+    compaction: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -122,6 +134,7 @@ class RunEntry:
     file: str
     invalid_markers: int
     orphan_dlq_records: int
+    compaction: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +149,18 @@ class RunLog:
     @property
     def run_ids(self) -> list[str]:
         return [entry.run_id for entry in self.entries]
+
+    @property
+    def floor(self) -> int:
+        """The newest compaction's run number (0: none): rows of runs before it no longer
+        count, as it rewrote every row that did as its own."""
+        return max((e.run_seq for e in self.entries if e.compaction), default=0)
+
+    @property
+    def live_run_ids(self) -> list[str]:
+        """The committed runs whose rows count: the newest compaction and the runs after it."""
+        floor = self.floor
+        return [entry.run_id for entry in self.entries if entry.run_seq >= floor]
 
     @property
     def invalid_markers(self) -> int:
@@ -196,6 +221,7 @@ def read_run_log(spark: SparkSession, root: str) -> RunLog:
                 row["file"],
                 row["invalid_markers"],
                 row["orphan_dlq_records"],
+                bool(row["compaction"]),
             )
             found.append((entry, row["record"]))
             covered.add(entry.file)
@@ -215,7 +241,12 @@ def read_run_log(spark: SparkSession, root: str) -> RunLog:
         uncovered += 1
         run = LedgerRun.from_json(json.loads(row["record"]))
         entry = RunEntry(
-            run.run_seq, run.run_id, row["file"], run.invalid_markers, run.orphan_dlq_records
+            run.run_seq,
+            run.run_id,
+            row["file"],
+            run.invalid_markers,
+            run.orphan_dlq_records,
+            run.compaction,
         )
         found.append((entry, row["record"]))
     found.sort(key=lambda item: (item[0].run_seq, item[0].run_id))
@@ -280,6 +311,7 @@ def checkpoint_run_log(spark: SparkSession, root: str, runs: RunLog) -> None:
             entry.file,
             entry.invalid_markers,
             entry.orphan_dlq_records,
+            entry.compaction,
         )
         for entry in runs.entries
     ]

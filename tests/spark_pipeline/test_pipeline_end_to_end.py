@@ -29,8 +29,9 @@ from support.databases import sqlite_url
 from pipeline.audit import audit_ledger
 from pipeline.bulk_redrive import BulkRedriveJob, read_manifest, run_redrive
 from pipeline.commands import main
-from pipeline.ledger import LedgerJob, load_ledger, run_ledger
+from pipeline.ledger import LedgerJob, run_ledger
 from pipeline.ledger_fold import LedgerParams
+from pipeline.ledger_store import load_ledger
 from pipeline.report import build_report, write_report
 from pipeline.spark_session import CODE_DIR
 from tracker.client import KmqMessage, KmqProducer
@@ -348,6 +349,7 @@ def test_ledger_every_runs_again_in_the_same_session(
         (["--every", "1s", "--runs", "0"], "--runs must be at least 1"),
         (["--every", "1s", "--max-failures", "0"], "--max-failures must be at least 1"),
         (["--every", "0s"], "--every must be a positive interval"),
+        (["--compact-every", "-1"], "--compact-every must be 0 (never) or a number of runs"),
         (["--every", "1s", "--grace", "2d"], "stuck_after must be at least the grace"),
     ):
         assert main(["ledger", *common, "--output", ledger, *wrong]) == 2, wrong

@@ -16,10 +16,11 @@ import pytest
 from pyspark.sql import SparkSession
 from support.broker import create_topics
 
-import pipeline.ledger as ledger_module
+from pipeline import ledger_store
 from pipeline.audit import audit_ledger
-from pipeline.ledger import LedgerJob, load_ledger, run_ledger
+from pipeline.ledger import LedgerJob, run_ledger
 from pipeline.ledger_fold import CONTENT_HASH, LedgerParams, as_utc
+from pipeline.ledger_store import load_ledger
 from pipeline.report import build_report, render_html, write_report
 from pipeline.run_log import ARCHIVE_DIR, read_run_log
 from tracker.clock import to_millis
@@ -269,7 +270,7 @@ async def test_a_ledger_written_before_content_hashes_were_stored_goes_on_exactl
 def committed_ids(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Committed run ids as an IN list, or joined, as with more runs than a list holds."""
     if request.param == "joined":
-        monkeypatch.setattr(ledger_module, "COMMITTED_IDS_INLINE", 0)
+        monkeypatch.setattr(ledger_store, "COMMITTED_IDS_INLINE", 0)
     return str(request.param)
 
 

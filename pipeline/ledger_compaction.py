@@ -1,0 +1,179 @@
+"""Compaction: a ledger directory's many small files rewritten as a few, as a run of its own.
+
+Why. Every run adds files: one to each history table and one rows file per (topic, date) it
+touches, about three per run, so a ledger kept by ``ledger --every 5m`` holds ~6,000 files
+after a week and ~300,000 after a year. Spark pays for each file it lists and opens (~0.8 ms
+here), and every run scans the history and the rows, so a run's time grew with the ledger's
+age until it no longer fit between runs.
+
+How. A compaction is a run in the run log like any other (it takes the next run number C and
+an id), flagged ``compaction``. It reads nothing from Kafka; it rewrites every row that counts
+(:func:`pipeline.ledger_store.committed`) as its own: the history tables whole, the ledger
+table as the latest row of each message (older versions are of no use to any reader), each
+written by date in files of about Spark's advisory partition size (the ``rebalance`` hint).
+Once its record is committed, readers keep only rows of run C and later
+(:attr:`pipeline.run_log.RunLog.floor`): the rows it copied count once, through the copies.
+The files it replaced are then deleted.
+
+Crash safety, with one writer per ledger as everywhere in the pipeline:
+
+1. Before writing, the compaction lists every data file of the three tables into
+   ``_compaction/<run id>/``. No other run writes meanwhile, so these are exactly the files
+   its rows replace (rows of dead runs included).
+2. It writes its rows, then commits its record.
+3. It deletes the listed files, then the list.
+
+A crash before the commit leaves rows of a run that never committed (ignored by id, like any
+dead run's, and listed, so deleted, by the next compaction) and a list whose run is not
+committed (removed by the next tidy). A crash after it leaves files no reader counts; the next
+run's tidy deletes them from the list. A run looks for lists at its end (one listing of
+``_compaction/``), so nothing is left for long.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from datetime import UTC, datetime
+
+from pyspark.sql import DataFrame, Observation, SparkSession
+from pyspark.sql import functions as F
+
+from pipeline.hadoop_fs import delete_files, delete_tree, join_path, path_exists, visible_children
+from pipeline.ledger_store import (
+    DLQ_HISTORY_DIR,
+    LEDGER_DIR,
+    MARKERS_HISTORY_DIR,
+    TABLE_DIRS,
+    committed,
+    load_ledger,
+    read_history,
+    read_parquet,
+)
+from pipeline.run_log import LedgerRun, RunLog, commit_run, read_run_log
+
+COMPACTION_DIR = "_compaction"
+#: Runs after which ``ledger`` compacts on its own (a day of runs every five minutes).
+COMPACT_EVERY = 288
+
+log = logging.getLogger(__name__)
+
+
+def compact_if_due(
+    spark: SparkSession, root: str, runs: RunLog, committed_seq: int, every: int
+) -> LedgerRun | None:
+    """After run ``committed_seq`` committed (``runs``: the log it started from): compact if
+    ``every`` runs or more committed since the newest compaction (or the first run; 0: never),
+    else finish what an earlier compaction left. Returns the compaction run, if one ran.
+
+    Failures are logged, not raised: the run is committed, and the next one tries again.
+    Every exception is caught for that reason (Spark and Py4J raise many kinds).
+    """
+    try:
+        if every and committed_seq - runs.floor >= every:
+            return compact_ledger(spark, root)
+        tidy_compactions(spark, root, runs)
+    except Exception:
+        log.exception("ledger: compaction after run %d failed (next run retries)", committed_seq)
+    return None
+
+
+def _data_files(spark: SparkSession, root: str) -> list[str]:
+    """Every data file of the three tables, as Spark's readers list them."""
+    files: list[str] = []
+    for table in TABLE_DIRS:
+        df = read_parquet(spark, join_path(root, table))
+        if df is not None:
+            files.extend(df.inputFiles())
+    return sorted(files)
+
+
+def _list_dir(root: str, run_id: str) -> str:
+    return join_path(root, f"{COMPACTION_DIR}/{run_id}")
+
+
+def _write_list(spark: SparkSession, root: str, run_id: str, files: list[str]) -> None:
+    frame = spark.createDataFrame([(f,) for f in files], "path string")
+    frame.coalesce(1).write.mode("overwrite").text(_list_dir(root, run_id))
+
+
+def _rewrite(df: DataFrame, run: LedgerRun, path: str, by: list[str]) -> int:
+    """Append ``df`` at ``path`` as ``run``'s rows, partitioned ``by``; returns the count."""
+    observed = Observation(f"kmq-compaction-{run.run_id}-{path.rsplit('/', 1)[-1]}")
+    tagged = df.withColumn("run_seq", F.lit(run.run_seq)).withColumn("run_id", F.lit(run.run_id))
+    tagged.observe(observed, F.count(F.lit(1)).alias("n")).hint("rebalance", *by).write.mode(
+        "append"
+    ).partitionBy(*by).parquet(path)
+    return int(observed.get["n"])
+
+
+def compact_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> LedgerRun | None:
+    """Compact the ledger at ``root`` (see the module docstring); returns the committed
+    compaction run, or None when there is no committed run to compact."""
+    started = time.monotonic()
+    runs = read_run_log(spark, root) if runs is None else runs
+    last = runs.latest
+    if last is None:
+        return None
+    tidy_compactions(spark, root, runs)
+    seq = last.run_seq + 1
+    run = LedgerRun(
+        seq,
+        f"{seq:06d}-{uuid.uuid4().hex[:8]}",
+        last.params,
+        last.offsets,
+        list(last.topics),
+        list(last.dlq_topics),
+        compaction=True,
+    )
+    replaced = _data_files(spark, root)
+    _write_list(spark, root, run.run_id, replaced)
+    for fmt, table in (("markers", MARKERS_HISTORY_DIR), ("dlq", DLQ_HISTORY_DIR)):
+        history = read_history(spark, root, fmt)
+        if history is not None:
+            _rewrite(committed(history, runs), run, join_path(root, table), ["date"])
+    ledger = load_ledger(spark, root, runs)
+    if ledger is not None:
+        run.rows_written = _rewrite(ledger, run, join_path(root, LEDGER_DIR), ["topic", "date"])
+    run.seconds = round(time.monotonic() - started, 3)
+    run.committed_at = datetime.now(UTC).isoformat()
+    commit_run(spark, root, run)
+    _finish(spark, root, run.run_id)
+    log.info(
+        "ledger: compaction %s rewrote %d rows, replaced %d files in %.1f s",
+        run.run_id,
+        run.rows_written,
+        len(replaced),
+        run.seconds,
+    )
+    return run
+
+
+def _finish(spark: SparkSession, root: str, run_id: str) -> None:
+    """Delete the files a committed compaction replaced, then its list."""
+    listed = [row[0] for row in spark.read.text(_list_dir(root, run_id)).collect()]
+    left = delete_files(spark, listed)
+    if left:
+        log.warning(
+            "ledger: compaction %s could not delete %d replaced files (next run retries): %s",
+            run_id,
+            len(left),
+            ", ".join(left[:5]),
+        )
+        return
+    delete_tree(spark, _list_dir(root, run_id))
+
+
+def tidy_compactions(spark: SparkSession, root: str, runs: RunLog) -> None:
+    """Finish what compactions left: the replaced files of a committed one are deleted, the
+    list of one that never committed is removed (its rows are ignored by id, and the next
+    compaction lists their files). ``runs`` is a complete read of the run log."""
+    if not path_exists(spark, join_path(root, COMPACTION_DIR)):
+        return
+    committed_ids = set(runs.run_ids)
+    for run_id in visible_children(spark, join_path(root, COMPACTION_DIR)) or []:
+        if run_id in committed_ids:
+            _finish(spark, root, run_id)
+        else:
+            delete_tree(spark, _list_dir(root, run_id))
