@@ -15,27 +15,17 @@ from pipeline import ledger_compaction
 from pipeline.audit import audit_ledger
 from pipeline.ledger import LedgerJob, run_ledger
 from pipeline.ledger_compaction import COMPACTION_DIR, compact_ledger
-from pipeline.ledger_fold import LedgerParams
 from pipeline.ledger_store import LEDGER_DIR, TABLE_DIRS, load_ledger
 from pipeline.run_log import LedgerRun, read_run_log
 from tracker.clock import to_millis
 
-from .test_pipeline_ledger import _topics
-from .workload import DEFAULT_TIMEOUT_MS, GRACE_MS, STUCK_AFTER_MS, Script, synthetic
+from .test_pipeline_ledger import _params, _topics
+from .workload import Script, synthetic
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TopicFactory = Callable[..., Awaitable[str]]
 RUN_COLUMNS = ["run_seq", "run_id"]
-
-
-def _params(as_of: datetime) -> LedgerParams:
-    return LedgerParams(
-        as_of=as_of,
-        default_timeout_ms=DEFAULT_TIMEOUT_MS,
-        grace_ms=GRACE_MS,
-        stuck_after_ms=STUCK_AFTER_MS,
-    )
 
 
 def _files(root: Path, table: str) -> list[Path]:
