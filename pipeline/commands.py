@@ -116,7 +116,10 @@ def _kafka_args(parser: argparse.ArgumentParser) -> None:
         help="aiokafka client setting, e.g. security_protocol=SSL (repeatable)",
     )
     group.add_argument(
-        "--chunk", type=int, default=250_000, help="offsets per Spark partition (default 250000)"
+        "--chunk",
+        type=int,
+        default=250_000,
+        help="offsets per read task, over all partitions (default 250000)",
     )
     group.add_argument(
         "--source",

@@ -8,6 +8,7 @@ number of paths they ask about small.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from pyspark.sql import SparkSession
@@ -78,15 +79,25 @@ def delete_tree(spark: SparkSession, path: str) -> None:
 
 
 def delete_files(spark: SparkSession, paths: list[str]) -> list[str]:
-    """Delete the files ``paths`` (full URIs on one file system); returns those still there
-    afterwards (a file already gone counts as deleted)."""
+    """Delete the files ``paths`` (URIs on one file system, percent-encoded as Spark lists
+    them: ``inputFiles()``, ``_metadata.file_path``); returns those still there afterwards
+    (a file already gone counts as deleted)."""
     if not paths:
         return []
+    jvm = _jvm(spark)
     fs, _ = _fs_path(spark, paths[0])
-    path = _jvm(spark).org.apache.hadoop.fs.Path
     left: list[str] = []
     for name in paths:
-        hadoop_path = path(name)
+        hadoop_path = jvm.org.apache.hadoop.fs.Path(jvm.java.net.URI(name))
         if not fs.delete(hadoop_path, False) and fs.exists(hadoop_path):
             left.append(name)
     return left
+
+
+def modified_at(spark: SparkSession, path: str) -> datetime | None:
+    """When ``path`` was last written (None: it does not exist)."""
+    fs, hadoop_path = _fs_path(spark, path)
+    if not fs.exists(hadoop_path):
+        return None
+    millis = int(fs.getFileStatus(hadoop_path).getModificationTime())
+    return datetime.fromtimestamp(millis / 1000, UTC)

@@ -17,14 +17,14 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from pipeline.hadoop_fs import join_path
-from pipeline.ledger_compaction import COMPACT_EVERY, compact_if_due
+from pipeline.ledger_compaction import COMPACT_EVERY, REPLACED_FILES_KEPT, compact_if_due
 from pipeline.ledger_fold import (
     CONTENT_HASH,
     FINAL_STATES,
@@ -84,6 +84,8 @@ class LedgerJob:
     checkpoint_every: int = CHECKPOINT_EVERY
     #: runs after which a run compacts the ledger (see pipeline.ledger_compaction; 0: never)
     compact_every: int = COMPACT_EVERY
+    #: how long the files a compaction replaced stay, for readers that started before it
+    replaced_files_kept: timedelta = REPLACED_FILES_KEPT
 
 
 _TIME_MOVES = "time_moves"
@@ -202,7 +204,9 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
     run.committed_at = datetime.now(UTC).isoformat()
     commit_run(spark, job.output, run)
     checkpoint_if_due(spark, job.output, runs, job.checkpoint_every)
-    compact_if_due(spark, job.output, runs, run.run_seq, job.compact_every)
+    compact_if_due(
+        spark, job.output, runs, run.run_seq, job.compact_every, keep=job.replaced_files_kept
+    )
     return run
 
 

@@ -10,24 +10,28 @@ How. A compaction is a run in the run log like any other (it takes the next run 
 an id), flagged ``compaction``. It reads nothing from Kafka; it rewrites every row that counts
 (:func:`pipeline.ledger_store.committed`) as its own: the history tables whole, the ledger
 table as the latest row of each message (older versions are of no use to any reader), each
-written by date in files of about Spark's advisory partition size (the ``rebalance`` hint).
-Once its record is committed, readers keep only rows of run C and later
-(:attr:`pipeline.run_log.RunLog.floor`): the rows it copied count once, through the copies.
-The files it replaced are then deleted.
+by date through the ``rebalance`` hint (with adaptive query execution, about one file per
+advisory partition size of shuffled data). Once its record is committed, readers keep only
+rows of run C and later (:attr:`pipeline.run_log.RunLog.floor`): the rows it copied count
+once, through the copies. The files it replaced stay :data:`REPLACED_FILES_KEPT` after the
+commit, for readers that read the run log before it (they count the old runs' rows and need
+their files), then a later run's tidy deletes them.
 
 Crash safety, with one writer per ledger as everywhere in the pipeline:
 
 1. Before writing, the compaction lists every data file of the three tables into
    ``_compaction/<run id>/``. No other run writes meanwhile, so these are exactly the files
    its rows replace (rows of dead runs included).
-2. It writes its rows, then commits its record.
-3. It deletes the listed files, then the list.
+2. It writes its rows, commits its record, then marks its list committed (``_COMMITTED``: the
+   mark's time starts the keep).
+3. A tidy (at the end of every run) deletes the listed files once the keep has passed, then
+   the list.
 
-A crash before the commit leaves rows of a run that never committed (ignored by id, like any
-dead run's, and listed, so deleted, by the next compaction) and a list whose run is not
-committed (removed by the next tidy). A crash after it leaves files no reader counts; the next
-run's tidy deletes them from the list. A run looks for lists at its end (one listing of
-``_compaction/``), so nothing is left for long.
+A crash before the commit leaves rows of a run that never committed, ignored by id like any
+dead run's; the next tidy deletes that run's own files (found by run id) and its list, so
+compactions that keep failing do not pile up copies. A crash between the commit and the mark
+leaves a list the next tidy marks. Failed compactions are retried every ``every // 8`` runs
+(:func:`compaction_due`), not after every run.
 """
 
 from __future__ import annotations
@@ -35,12 +39,20 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
-from pipeline.hadoop_fs import delete_files, delete_tree, join_path, path_exists, visible_children
+from pipeline.hadoop_fs import (
+    delete_files,
+    delete_tree,
+    join_path,
+    modified_at,
+    path_exists,
+    touch,
+    visible_children,
+)
 from pipeline.ledger_store import (
     DLQ_HISTORY_DIR,
     LEDGER_DIR,
@@ -56,26 +68,46 @@ from pipeline.run_log import LedgerRun, RunLog, commit_run, read_run_log
 COMPACTION_DIR = "_compaction"
 #: Runs after which ``ledger`` compacts on its own (a day of runs every five minutes).
 COMPACT_EVERY = 288
+#: How long the files a compaction replaced stay after its commit: a reader (an audit, a
+#: report) that read the run log before the commit still counts the old runs' rows, and needs
+#: their files until it is done.
+REPLACED_FILES_KEPT = timedelta(hours=1)
+#: Written into a compaction's list once it committed: its time starts the files' keep.
+_COMMITTED_MARKER = "_COMMITTED"
 
 log = logging.getLogger(__name__)
 
 
+def compaction_due(runs: RunLog, committed_seq: int, every: int) -> bool:
+    """Whether run ``committed_seq`` is one after which to compact: ``every`` runs after the
+    newest compaction (or the first run; 0: never), then every ``every // 8`` runs until one
+    commits (a compaction that fails, say for want of disk, is not tried after every run)."""
+    since = committed_seq - runs.floor
+    return bool(every) and since >= every and (since - every) % max(1, every // 8) == 0
+
+
 def compact_if_due(
-    spark: SparkSession, root: str, runs: RunLog, committed_seq: int, every: int
+    spark: SparkSession,
+    root: str,
+    runs: RunLog,
+    committed_seq: int,
+    every: int,
+    *,
+    keep: timedelta = REPLACED_FILES_KEPT,
 ) -> LedgerRun | None:
     """After run ``committed_seq`` committed (``runs``: the log it started from): compact if
-    ``every`` runs or more committed since the newest compaction (or the first run; 0: never),
-    else finish what an earlier compaction left. Returns the compaction run, if one ran.
+    :func:`compaction_due`, else finish what earlier compactions left. Returns the compaction
+    run, if one ran.
 
-    Failures are logged, not raised: the run is committed, and the next one tries again.
+    Failures are logged, not raised: the run is committed, and a later one tries again.
     Every exception is caught for that reason (Spark and Py4J raise many kinds).
     """
     try:
-        if every and committed_seq - runs.floor >= every:
-            return compact_ledger(spark, root)
-        tidy_compactions(spark, root, runs)
+        if compaction_due(runs, committed_seq, every):
+            return compact_ledger(spark, root, keep=keep)
+        tidy_compactions(spark, root, runs, keep=keep)
     except Exception:
-        log.exception("ledger: compaction after run %d failed (next run retries)", committed_seq)
+        log.exception("ledger: compaction after run %d failed (a later run retries)", committed_seq)
     return None
 
 
@@ -108,15 +140,22 @@ def _rewrite(df: DataFrame, run: LedgerRun, path: str, by: list[str]) -> int:
     return int(observed.get["n"])
 
 
-def compact_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -> LedgerRun | None:
+def compact_ledger(
+    spark: SparkSession,
+    root: str,
+    runs: RunLog | None = None,
+    *,
+    keep: timedelta = REPLACED_FILES_KEPT,
+) -> LedgerRun | None:
     """Compact the ledger at ``root`` (see the module docstring); returns the committed
-    compaction run, or None when there is no committed run to compact."""
+    compaction run, or None when there is no committed run to compact. The files it replaced
+    are deleted ``keep`` after its commit (by a later run's tidy unless ``keep`` is 0)."""
     started = time.monotonic()
     runs = read_run_log(spark, root) if runs is None else runs
     last = runs.latest
     if last is None:
         return None
-    tidy_compactions(spark, root, runs)
+    tidy_compactions(spark, root, runs, keep=keep)
     seq = last.run_seq + 1
     run = LedgerRun(
         seq,
@@ -139,7 +178,9 @@ def compact_ledger(spark: SparkSession, root: str, runs: RunLog | None = None) -
     run.seconds = round(time.monotonic() - started, 3)
     run.committed_at = datetime.now(UTC).isoformat()
     commit_run(spark, root, run)
-    _finish(spark, root, run.run_id)
+    touch(spark, join_path(_list_dir(root, run.run_id), _COMMITTED_MARKER))
+    if not keep:
+        _finish(spark, root, run.run_id)
     log.info(
         "ledger: compaction %s rewrote %d rows, replaced %d files in %.1f s",
         run.run_id,
@@ -165,15 +206,43 @@ def _finish(spark: SparkSession, root: str, run_id: str) -> None:
     delete_tree(spark, _list_dir(root, run_id))
 
 
-def tidy_compactions(spark: SparkSession, root: str, runs: RunLog) -> None:
-    """Finish what compactions left: the replaced files of a committed one are deleted, the
-    list of one that never committed is removed (its rows are ignored by id, and the next
-    compaction lists their files). ``runs`` is a complete read of the run log."""
+def _files_of(spark: SparkSession, root: str, run_id: str) -> list[str]:
+    """The data files holding rows of run ``run_id`` (a compaction's files hold only its own;
+    Parquet skips the others by their ``run_id`` statistics)."""
+    files: list[str] = []
+    for table in TABLE_DIRS:
+        df = read_parquet(spark, join_path(root, table))
+        if df is not None:
+            of_run = df.where(F.col("run_id") == run_id).select("_metadata.file_path").distinct()
+            files.extend(row[0] for row in of_run.collect())
+    return files
+
+
+def tidy_compactions(
+    spark: SparkSession,
+    root: str,
+    runs: RunLog,
+    *,
+    keep: timedelta = REPLACED_FILES_KEPT,
+    now: datetime | None = None,
+) -> None:
+    """Finish what compactions left. A committed one's replaced files are deleted once
+    ``keep`` has passed since its commit (then its list). One that never committed had its
+    rows ignored by id: its own files are deleted, then its list. ``runs`` is a complete read
+    of the run log."""
     if not path_exists(spark, join_path(root, COMPACTION_DIR)):
         return
+    now = now or datetime.now(UTC)
     committed_ids = set(runs.run_ids)
     for run_id in visible_children(spark, join_path(root, COMPACTION_DIR)) or []:
-        if run_id in committed_ids:
+        if run_id not in committed_ids:
+            left = delete_files(spark, _files_of(spark, root, run_id))
+            if not left:
+                delete_tree(spark, _list_dir(root, run_id))
+            continue
+        marker = join_path(_list_dir(root, run_id), _COMMITTED_MARKER)
+        committed_at = modified_at(spark, marker)
+        if committed_at is None:  # it died between its commit and the marker: start now
+            touch(spark, marker)
+        elif now - committed_at >= keep:
             _finish(spark, root, run_id)
-        else:
-            delete_tree(spark, _list_dir(root, run_id))

@@ -3,6 +3,7 @@ its own, with nothing lost, nothing counted twice, and a crash at any step harml
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,9 +15,14 @@ from pyspark.sql import DataFrame, SparkSession
 from pipeline import ledger_compaction
 from pipeline.audit import audit_ledger
 from pipeline.ledger import LedgerJob, run_ledger
-from pipeline.ledger_compaction import COMPACTION_DIR, compact_ledger
+from pipeline.ledger_compaction import (
+    COMPACTION_DIR,
+    compact_ledger,
+    compaction_due,
+    tidy_compactions,
+)
 from pipeline.ledger_store import LEDGER_DIR, TABLE_DIRS, load_ledger
-from pipeline.run_log import LedgerRun, read_run_log
+from pipeline.run_log import LedgerRun, RunEntry, RunLog, read_run_log
 from tracker.clock import to_millis
 
 from .test_pipeline_ledger import _params, _topics
@@ -64,21 +70,26 @@ async def _two_runs(
     script = Script(markers, 3)
     synthetic(script, topic, to_millis(as_of), only=[0, 2, 5, 6])
     await script.produce(bootstrap)
-    job = LedgerJob(bootstrap, markers, str(root), _params(as_of), compact_every=every)
+    job = LedgerJob(
+        bootstrap,
+        markers,
+        str(root),
+        _params(as_of),
+        compact_every=every,
+        replaced_files_kept=timedelta(0),
+    )
     run_ledger(spark, job)
     synthetic(script, topic, to_millis(as_of), only=[3, 7])
     await script.produce(bootstrap)
     later = as_of + timedelta(minutes=55)
-    second = run_ledger(
-        spark, LedgerJob(bootstrap, markers, str(root), _params(later), compact_every=every)
-    )
+    second = run_ledger(spark, dataclasses.replace(job, params=_params(later)))
     return topic, markers, script, later, second
 
 
 async def test_a_compaction_keeps_every_row_and_later_runs_go_on_exactly(
     spark: SparkSession, kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
 ) -> None:
-    root = tmp_path / "ledger"
+    root = tmp_path / "a ledger"  # a space: Spark lists such paths percent-encoded
     # compact_every=2: the second run compacts after its commit, on its own.
     topic, markers, script, later, second = await _two_runs(
         spark, kafka_bootstrap, topic_factory, root, every=2
@@ -153,8 +164,15 @@ async def test_a_compaction_that_died_before_its_commit_changes_nothing(
     assert _same_rows(after, before)
     assert _audit(spark, root) == audit_before
 
+    # A tidy (each run ends with one) deletes its files and its list: failed compactions do
+    # not pile up copies of the ledger.
+    tidy_compactions(spark, str(root), runs)
+    for table in TABLE_DIRS:
+        assert 3 not in _runs_in(spark, root, table), table
+    assert not list((root / COMPACTION_DIR).glob("*"))
+
     # The next compaction takes number 3 again and leaves only its own rows.
-    again = compact_ledger(spark, str(root))
+    again = compact_ledger(spark, str(root), keep=timedelta(0))
     assert again is not None
     assert again.run_seq == 3
     for table in TABLE_DIRS:
@@ -167,23 +185,16 @@ async def test_a_compaction_that_died_before_its_commit_changes_nothing(
     assert _audit(spark, root) == audit_before
 
 
-async def test_files_a_committed_compaction_could_not_delete_are_ignored_then_deleted(
-    spark: SparkSession,
-    kafka_bootstrap: str,
-    topic_factory: TopicFactory,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+async def test_replaced_files_stay_for_readers_an_hour_counted_once_then_go(
+    spark: SparkSession, kafka_bootstrap: str, topic_factory: TopicFactory, tmp_path: Path
 ) -> None:
-    root = tmp_path / "ledger"
+    root = tmp_path / "a ledger"  # a space: Spark lists such paths percent-encoded
     _, markers, _, later, _ = await _two_runs(spark, kafka_bootstrap, topic_factory, root, every=0)
     before = _kept(load_ledger(spark, str(root)))
     audit_before = _audit(spark, root)
     old_files = {table: _files(root, table) for table in TABLE_DIRS}
 
-    # Killed after its commit, before its deletions: as if every delete failed.
-    monkeypatch.setattr(ledger_compaction, "delete_files", lambda _spark, paths: list(paths))
-    run = compact_ledger(spark, str(root))
-    monkeypatch.undo()
+    run = compact_ledger(spark, str(root))  # keeps the replaced files an hour by default
     assert run is not None
     assert all(f.exists() for files in old_files.values() for f in files)
     assert _runs_in(spark, root, LEDGER_DIR) == {1, 2, 3}
@@ -194,9 +205,18 @@ async def test_files_a_committed_compaction_could_not_delete_are_ignored_then_de
     assert _same_rows(after, before)
     assert _audit(spark, root) == audit_before
 
-    # The next run (nothing new to read) finishes the deletion.
+    # As if it died between its commit and the mark that starts the hour: the next run
+    # (nothing new to read) marks it now, and deletes nothing yet.
+    marker = root / COMPACTION_DIR / run.run_id / "_COMMITTED"
+    marker.unlink()
     nothing = run_ledger(spark, LedgerJob(kafka_bootstrap, markers, str(root), _params(later)))
     assert nothing.markers_read == 0
+    assert marker.exists()
+    assert all(f.exists() for files in old_files.values() for f in files)
+
+    # An hour on, the tidy deletes them and the list.
+    runs = read_run_log(spark, str(root))
+    tidy_compactions(spark, str(root), runs, now=datetime.now(UTC) + timedelta(hours=1, seconds=5))
     assert not any(f.exists() for files in old_files.values() for f in files)
     assert not list((root / COMPACTION_DIR).glob("*"))
     for table in TABLE_DIRS:
@@ -204,3 +224,18 @@ async def test_files_a_committed_compaction_could_not_delete_are_ignored_then_de
     final = load_ledger(spark, str(root))
     assert final is not None
     assert _same_rows(final, before)
+
+
+def test_a_compaction_is_due_every_so_many_runs_and_retried_less_often() -> None:
+    def log(*compactions: int, runs: int) -> RunLog:
+        entries = tuple(
+            RunEntry(seq, f"{seq:06d}-x", "f", 0, 0, compaction=seq in compactions)
+            for seq in range(1, runs + 1)
+        )
+        return RunLog(entries)
+
+    due = [seq for seq in range(1, 80) if compaction_due(log(runs=seq - 1), seq, 16)]
+    assert due == list(range(16, 80, 2)), "at 16 runs, then every 16 // 8 runs until one commits"
+    after = [seq for seq in range(31, 60) if compaction_due(log(30, runs=seq - 1), seq, 16)]
+    assert after[0] == 46, "16 runs after the compaction (run 30)"
+    assert not [seq for seq in range(1, 50) if compaction_due(log(runs=seq - 1), seq, 0)]
