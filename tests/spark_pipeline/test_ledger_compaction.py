@@ -142,7 +142,7 @@ async def test_a_compaction_that_died_before_its_commit_changes_nothing(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    root = tmp_path / "ledger"
+    root = tmp_path / "a ledger"  # a space: Spark lists such paths percent-encoded
     await _two_runs(spark, kafka_bootstrap, topic_factory, root, every=0)
     before = _kept(load_ledger(spark, str(root)))
     audit_before = _audit(spark, root)
