@@ -44,6 +44,7 @@ from pipeline.ledger_store import (
     committed,
     committed_rows,
     read_history,
+    run_tag,
 )
 from pipeline.offsets import (
     Bound,
@@ -210,19 +211,14 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
     return run
 
 
-def _run_tag(run: LedgerRun) -> list[Column]:
-    """The columns that say which run wrote a row."""
-    return [F.lit(run.run_seq).alias("run_seq"), F.lit(run.run_id).alias("run_id")]
-
-
 def _append_history(
     records: DataFrame, run: LedgerRun, path: str, *metrics: Column
 ) -> dict[str, Any]:
     """Append ``records`` to the history at ``path`` (by date, tagged with ``run``) and
     return ``metrics`` over them, taken while they are written."""
     observed = Observation(f"kmq-ledger-{run.run_id}-{path.rsplit('/', 1)[-1]}")
-    records.observe(observed, *metrics).select(
-        "*", *_run_tag(run), F.to_date("timestamp").alias("date")
+    records.observe(observed, *metrics).withColumns(run_tag(run)).withColumn(
+        "date", F.to_date("timestamp")
     ).write.mode("append").partitionBy("date").parquet(path)
     return observed.get
 
@@ -270,7 +266,9 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
         known = previous.select(*LEDGER_KEY, CONTENT_HASH)
         rows = rows.join(known, [*LEDGER_KEY, CONTENT_HASH], "left_anti")
     written = Observation("kmq-ledger-rows")
-    rows.select("*", *_run_tag(run), F.lit(params.as_of).cast("timestamp").alias("as_of")).observe(
+    rows.withColumns(run_tag(run)).withColumn(
+        "as_of", F.lit(params.as_of).cast("timestamp")
+    ).observe(
         written, *[F.count_if(F.col("final_state") == s).alias(s) for s in FINAL_STATES]
     ).write.mode("append").partitionBy("topic", "date").parquet(join_path(job.output, LEDGER_DIR))
     run.states_written = {state: n for state, n in written.get.items() if n}

@@ -1,10 +1,10 @@
 """Compaction: a ledger directory's many small files rewritten as a few, as a run of its own.
 
-Why. Every run adds files: one to each history table and one rows file per (topic, date) it
-touches, about three per run, so a ledger kept by ``ledger --every 5m`` holds ~6,000 files
-after a week and ~300,000 after a year. Spark pays for each file it lists and opens (~0.8 ms
-here), and every run scans the history and the rows, so a run's time grew with the ledger's
-age until it no longer fit between runs.
+Why. Every run adds files: one per date to each history table it adds to and one rows file
+per (topic, date) it touches, two to four per run, so a ledger kept by ``ledger --every 5m``
+holds ~6,000 files after a week and ~300,000 after a year. Spark pays for each file it lists
+and opens (~0.8 ms here), and every run scans the history and the rows, so a run's time grew
+with the ledger's age until it no longer fit between runs.
 
 How. A compaction is a run in the run log like any other (it takes the next run number C and
 an id), flagged ``compaction``. It reads nothing from Kafka; it rewrites every row that counts
@@ -62,6 +62,7 @@ from pipeline.ledger_store import (
     load_ledger,
     read_history,
     read_parquet,
+    run_tag,
 )
 from pipeline.run_log import LedgerRun, RunLog, commit_run, read_run_log
 
@@ -133,10 +134,9 @@ def _write_list(spark: SparkSession, root: str, run_id: str, files: list[str]) -
 def _rewrite(df: DataFrame, run: LedgerRun, path: str, by: list[str]) -> int:
     """Append ``df`` at ``path`` as ``run``'s rows, partitioned ``by``; returns the count."""
     observed = Observation(f"kmq-compaction-{run.run_id}-{path.rsplit('/', 1)[-1]}")
-    tagged = df.withColumn("run_seq", F.lit(run.run_seq)).withColumn("run_id", F.lit(run.run_id))
-    tagged.observe(observed, F.count(F.lit(1)).alias("n")).hint("rebalance", *by).write.mode(
-        "append"
-    ).partitionBy(*by).parquet(path)
+    df.withColumns(run_tag(run)).observe(observed, F.count(F.lit(1)).alias("n")).hint(
+        "rebalance", *by
+    ).write.mode("append").partitionBy(*by).parquet(path)
     return int(observed.get["n"])
 
 

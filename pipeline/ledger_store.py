@@ -16,14 +16,14 @@ committed compaction, which rewrote every row that counted as its own.
 from __future__ import annotations
 
 from pyspark.errors import AnalysisException
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import DateType, IntegerType, StringType, StructType
 
 from pipeline.hadoop_fs import join_path, path_exists
 from pipeline.ledger_fold import LEDGER_KEY, stored_schema
 from pipeline.record_schemas import spark_schema
-from pipeline.run_log import RunLog, read_run_log
+from pipeline.run_log import LedgerRun, RunLog, read_run_log
 
 LEDGER_DIR = "ledger"
 MARKERS_HISTORY_DIR = "history/markers"
@@ -32,6 +32,12 @@ DLQ_HISTORY_DIR = "history/dlq"
 TABLE_DIRS = (LEDGER_DIR, MARKERS_HISTORY_DIR, DLQ_HISTORY_DIR)
 #: Columns of a dead letter the history leaves out.
 PAYLOAD_COLUMNS = frozenset({"key", "value", "headers"})
+
+
+def run_tag(run: LedgerRun) -> dict[str, Column]:
+    """The columns that say which run wrote a row, for ``DataFrame.withColumns`` (which adds
+    them, or replaces them in rows that carry an earlier run's)."""
+    return {"run_seq": F.lit(run.run_seq), "run_id": F.lit(run.run_id)}
 
 
 def read_parquet(
