@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from pipeline.ledger import LedgerJob
     from pipeline.run_log import LedgerRun
 
@@ -277,18 +279,34 @@ def _print(data: Any) -> None:
 
 
 def _cmd_ledger(args: argparse.Namespace) -> int:
-    from pipeline.ledger import run_ledger  # noqa: PLC0415
     from pipeline.ledger_fold import LedgerError  # noqa: PLC0415
 
     if args.every is None:
         if args.runs is not None or args.max_failures is not None:
             raise LedgerError("--runs and --max-failures go with --every")
         with _session(args) as spark:
-            run = run_ledger(spark, _ledger_job(args))
-        _print(run.to_json())
-        print(ledger_summary(run), file=sys.stderr)
+            result, summary = _reported_run(spark, _ledger_job(args))
+        _print(result)
+        print(summary, file=sys.stderr)
         return 0
     return _ledger_every(args)
+
+
+def _reported_run(spark: SparkSession, job: LedgerJob) -> tuple[dict[str, Any], str]:
+    """Run the ledger job once; returns the run's JSON and its summary for stderr.
+
+    A compaction that followed the run is a run of its own in the log: its record goes into
+    the JSON as ``compaction_after`` (null when none ran) and its summary is a second line,
+    so each invocation (each ``--every`` tick) prints one JSON value, whose ``run_seq`` and
+    the compaction's account for every number in the log.
+    """
+    from pipeline.ledger import run_ledger  # noqa: PLC0415
+
+    compactions: list[LedgerRun] = []
+    run = run_ledger(spark, job, on_compaction=compactions.append)
+    result = run.to_json()
+    result["compaction_after"] = compactions[0].to_json() if compactions else None
+    return result, "\n".join(ledger_summary(r) for r in (run, *compactions))
 
 
 def _ledger_job(args: argparse.Namespace) -> LedgerJob:
@@ -329,7 +347,6 @@ def _ledger_job(args: argparse.Namespace) -> LedgerJob:
 
 def _ledger_every(args: argparse.Namespace) -> int:
     """``ledger --every``: runs in one session until stopped (see pipeline.ledger_loop)."""
-    from pipeline.ledger import run_ledger  # noqa: PLC0415
     from pipeline.ledger_fold import LedgerError  # noqa: PLC0415
     from pipeline.ledger_loop import LoopPolicy, run_every, stop_on_signals  # noqa: PLC0415
 
@@ -347,9 +364,9 @@ def _ledger_every(args: argparse.Namespace) -> int:
 
         def run_once() -> None:
             now = dataclasses.replace(job.params, as_of=datetime.now(UTC))
-            run = run_ledger(spark, dataclasses.replace(job, params=now))
-            print(json.dumps(run.to_json(), default=str), flush=True)
-            print(ledger_summary(run), file=sys.stderr, flush=True)
+            result, summary = _reported_run(spark, dataclasses.replace(job, params=now))
+            print(json.dumps(result, default=str), flush=True)
+            print(summary, file=sys.stderr, flush=True)
 
         def failed(error: BaseException, in_a_row: int) -> None:
             print(
@@ -382,6 +399,11 @@ def _first_lines(error: BaseException, count: int = 2) -> str:
 
 def ledger_summary(run: LedgerRun) -> str:
     """The one line a ledger run ends with (stderr; the run's JSON is on stdout)."""
+    if run.compaction:
+        return (
+            f"ledger: compaction {run.run_id} committed in {run.seconds:,.1f} s: "
+            f"{run.rows_written:,} rows rewritten"
+        )
     rate = f", {run.markers_read / run.seconds:,.0f} markers/s" if run.seconds > 0 else ""
     states = ", ".join(f"{state} {n:,}" for state, n in sorted(run.states_written.items()))
     return (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -126,8 +126,18 @@ def _resume(offsets: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, int], i
     return {(t, int(p)): o for t, parts in offsets.items() for p, o in parts.items()}
 
 
-def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
-    """Run the ledger job once (see the module docstring); returns the committed run."""
+def run_ledger(
+    spark: SparkSession,
+    job: LedgerJob,
+    *,
+    on_compaction: Callable[[LedgerRun], None] | None = None,
+) -> LedgerRun:
+    """Run the ledger job once (see the module docstring); returns the committed run.
+
+    A compaction that follows it (when due, see :mod:`pipeline.ledger_compaction`) is a run of
+    its own in the log; ``on_compaction`` is called with it, so a caller that reports runs
+    can report that one too (the command line adds it to the run's JSON and summary).
+    """
     started = time.monotonic()
     runs = read_run_log(spark, job.output)
     last = runs.latest
@@ -205,9 +215,11 @@ def run_ledger(spark: SparkSession, job: LedgerJob) -> LedgerRun:
     run.committed_at = datetime.now(UTC).isoformat()
     commit_run(spark, job.output, run)
     checkpoint_if_due(spark, job.output, runs, job.checkpoint_every)
-    compact_if_due(
+    compaction = compact_if_due(
         spark, job.output, runs, run.run_seq, job.compact_every, keep=job.replaced_files_kept
     )
+    if compaction is not None and on_compaction is not None:
+        on_compaction(compaction)
     return run
 
 

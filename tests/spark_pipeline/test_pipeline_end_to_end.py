@@ -304,6 +304,7 @@ def test_command_line_jobs_and_exit_codes(
     assert main(["ledger", *common, "--output", ledger, "--as-of", as_of, "--grace", "1m"]) == 0
     run = json.loads(capsys.readouterr().out)
     assert run["rows_written"] == sum(PLAN.values()) + GHOSTS
+    assert run["compaction_after"] is None, "not due: 288 runs by default"
     assert run["dlq_topics"] == [f"{world.topic}.dlq"]
 
     assert main(["audit", "--ledger", ledger, "--output", str(out / "audit")]) == 1
@@ -327,18 +328,27 @@ def test_ledger_every_runs_again_in_the_same_session(
     world: World, spark: SparkSession, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``ledger --every``: each run judged at its own time, one JSON line per run, the next
-    run extending the one before; bad combinations are refused before anything runs."""
+    run extending the one before, a compaction that followed a run reported with it; bad
+    combinations are refused before anything runs."""
     ledger = str(world.tmp / "every")
     common = ["--bootstrap", world.bootstrap, "--markers-topic", world.markers]
-    assert main(["ledger", *common, "--output", ledger, "--every", "1s", "--runs", "2"]) == 0
+    every = ["--every", "1s", "--runs", "2", "--compact-every", "2"]
+    assert main(["ledger", *common, "--output", ledger, *every]) == 0
     captured = capsys.readouterr()
     first, second = (json.loads(line) for line in captured.out.splitlines())
     assert first["rows_written"] == sum(PLAN.values()) + GHOSTS
     assert (second["run_seq"], second["markers_read"]) == (first["run_seq"] + 1, 0)
     judged = [datetime.fromisoformat(run["params"]["as_of"]) for run in (first, second)]
     assert judged[1] > judged[0], "each run judged at its own time"
-    summaries = [line for line in captured.err.splitlines() if line.startswith("ledger: run ")]
-    assert len(summaries) == 2, captured.err
+    # --compact-every 2: the second run is followed by a compaction, run 3 in the log.
+    assert first["compaction_after"] is None
+    compaction = second["compaction_after"]
+    assert (compaction["run_seq"], compaction["compaction"]) == (second["run_seq"] + 1, True)
+    assert compaction["rows_written"] == first["rows_written"], "each message's latest row"
+    assert compaction["offsets"] == second["offsets"]
+    lines = captured.err.splitlines()
+    assert len([line for line in lines if line.startswith("ledger: run ")]) == 2, captured.err
+    assert f"ledger: compaction {compaction['run_id']} committed in " in captured.err
     assert spark.range(1).count() == 1, "the shared session is still running"
 
     for wrong, why in (
@@ -365,7 +375,7 @@ def test_ledger_every_gives_up_after_max_failures_runs_in_a_row(
 
     attempts = 0
 
-    def unreachable(spark: SparkSession, job: object) -> None:
+    def unreachable(spark: SparkSession, job: object, **options: object) -> None:
         nonlocal attempts
         attempts += 1
         raise OSError("the storage is unreachable")
