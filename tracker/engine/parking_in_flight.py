@@ -28,11 +28,14 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Sequence
+from operator import attrgetter
 
 from aiokafka.errors import KafkaError
 
 from tracker.engine.parking import InvalidMarkerParker, Rejected
 from tracker.metrics import Metrics
+
+_category = attrgetter("category")
 
 
 class ParkingInFlight:
@@ -100,5 +103,5 @@ class ParkingInFlight:
                 raise
             self._failed = None
             self._parked += len(batch)
-            for category, n in Counter(item.category for item in batch).items():
+            for category, n in Counter(map(_category, batch)).items():
                 self._metrics.markers_invalid.labels(category).inc(n)
