@@ -302,11 +302,18 @@ def _reported_run(spark: SparkSession, job: LedgerJob) -> tuple[dict[str, Any], 
     """
     from pipeline.ledger import run_ledger  # noqa: PLC0415
 
-    compactions: list[LedgerRun] = []
-    run = run_ledger(spark, job, on_compaction=compactions.append)
+    compaction: LedgerRun | None = None
+
+    def compacted(run: LedgerRun) -> None:
+        nonlocal compaction
+        compaction = run
+
+    run = run_ledger(spark, job, on_compaction=compacted)
     result = run.to_json()
-    result["compaction_after"] = compactions[0].to_json() if compactions else None
-    return result, "\n".join(ledger_summary(r) for r in (run, *compactions))
+    result["compaction_after"] = None if compaction is None else compaction.to_json()
+    if compaction is None:
+        return result, ledger_summary(run)
+    return result, f"{ledger_summary(run)}\n{ledger_summary(compaction)}"
 
 
 def _ledger_job(args: argparse.Namespace) -> LedgerJob:
@@ -398,7 +405,8 @@ def _first_lines(error: BaseException, count: int = 2) -> str:
 
 
 def ledger_summary(run: LedgerRun) -> str:
-    """The one line a ledger run ends with (stderr; the run's JSON is on stdout)."""
+    """The line a ledger run ends with on stderr (its JSON is on stdout); for a compaction
+    run, the line that follows the run's."""
     if run.compaction:
         return (
             f"ledger: compaction {run.run_id} committed in {run.seconds:,.1f} s: "

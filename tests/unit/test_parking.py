@@ -242,6 +242,36 @@ async def test_a_record_the_broker_refuses_for_its_content_does_not_stall_parkin
     assert headers[INVALID_TIMESTAMP] == str(FAR_AHEAD + 1).encode()
 
 
+async def test_a_stub_lands_on_the_invalid_partition_of_its_markers_partition() -> None:
+    """The retry alone and the stub keep the partition their markers partition parks on."""
+    broker = FakeBroker(max_value=1000, partitions=3)
+    rejected = [
+        Rejected(Consumed(source, offset, b"k", b"\x7f" * size, 5), "bad", "malformed")
+        for source, offset, size in [(2, 0, 10), (2, 1, 5000), (0, 0, 10), (2, 2, 20)]
+    ]
+    await InvalidMarkerParker(broker, "m.invalid", "m").park(rejected)
+    landed = {
+        dict(r["headers"])[INVALID_SOURCE].decode(): (
+            r["partition"],
+            INVALID_STUB in dict(r["headers"]),
+        )
+        for r in broker.accepted
+    }
+    assert landed == {
+        "m/2/0": (2, False),
+        "m/2/1": (2, True),
+        "m/0/0": (0, False),
+        "m/2/2": (2, False),
+    }
+
+
+async def test_a_record_without_a_timestamp_is_parked_without_the_timestamp_header() -> None:
+    broker = FakeBroker()
+    await InvalidMarkerParker(broker, "m.invalid", "m").park(refused(2))
+    assert [INVALID_TIMESTAMP in dict(r["headers"]) for r in broker.accepted] == [False, False]
+    assert [dict(r["headers"])[INVALID_SOURCE] for r in broker.accepted] == [b"m/0/0", b"m/0/1"]
+
+
 @pytest.mark.parametrize("error", [KafkaConnectionError, RequestTimedOutError])
 async def test_a_failure_that_is_not_about_the_records_is_raised(error: type[KafkaError]) -> None:
     """Ingest then reads the partitions again after a backoff: nothing is dropped."""

@@ -28,14 +28,11 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import Sequence
-from operator import attrgetter
 
 from aiokafka.errors import KafkaError
 
-from tracker.engine.parking import InvalidMarkerParker, Rejected
+from tracker.engine.parking import InvalidMarkerParker, Rejected, category_of
 from tracker.metrics import Metrics
-
-_category = attrgetter("category")
 
 
 class ParkingInFlight:
@@ -103,5 +100,5 @@ class ParkingInFlight:
                 raise
             self._failed = None
             self._parked += len(batch)
-            for category, n in Counter(map(_category, batch)).items():
+            for category, n in Counter(map(category_of, batch)).items():
                 self._metrics.markers_invalid.labels(category).inc(n)
