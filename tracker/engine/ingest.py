@@ -214,6 +214,7 @@ class MarkerIngest:
                 # reads these markers again from the store offset.
                 log.warning("could not flush revoked partitions %s: %s", sorted(mine), exc)
             await self._ownership.release(mine)
+            self._parking.forget(mine)  # not parked yet: their next owner reads and parks them
 
     # -- the loop ------------------------------------------------------------------------
 

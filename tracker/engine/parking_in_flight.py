@@ -20,6 +20,10 @@ A parking that failed keeps its records, first in line: nothing of what was read
 or read again, the markers accepted meanwhile wait in memory (ingest's pending bound stops
 the reading), and the next poll or flush tries again. Refused markers are counted in
 ``kmq_markers_invalid_total`` once they are parked.
+
+The one exception is a revoked partition (:meth:`ParkingInFlight.forget`): its applied offset
+did not move past what waits here, so its next owner reads those records again and parks
+them; parking them here too would put each on the invalid topic twice.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection
 
 from aiokafka.errors import KafkaError
 
@@ -36,23 +40,43 @@ from tracker.metrics import Metrics
 
 
 class ParkingInFlight:
-    """Refused records handed over by polls, parked in order by one produce at a time."""
+    """Refused records handed over by polls, parked in order by one produce at a time.
+
+    Bookkeeping is per hand-over (one poll's list), not per record: :meth:`settle` waits for
+    the hand-overs made before it, and a forgotten record leaves its hand-over shorter, not
+    the count wrong.
+    """
 
     def __init__(self, parker: InvalidMarkerParker, metrics: Metrics) -> None:
         self._parker = parker
         self._metrics = metrics
-        self._waiting: list[Rejected] = []  #: handed over, not being parked yet, in order
-        self._handed = 0  #: records handed over so far
-        self._parked = 0  #: records parked so far (always the first ones handed over)
+        self._waiting: list[list[Rejected]] = []  #: hand-overs not being parked yet, in order
+        self._handed = 0  #: hand-overs so far
+        self._parked = 0  #: hand-overs parked (or forgotten) so far, always the first ones
         self._failed: KafkaError | None = None  #: why the last produce failed, if it did
         self._driver: asyncio.Task[None] | None = None
+        #: partitions forgotten while a produce was under way: if it fails, their records
+        #: are not put back in line
+        self._forgotten_in_flight: set[int] = set()
 
-    def start(self, rejected: Sequence[Rejected]) -> None:
-        """Hand over one poll's refused records to be parked; returns at once."""
+    def start(self, rejected: list[Rejected]) -> None:
+        """Hand over one poll's refused records (the list is taken over) to be parked;
+        returns at once."""
         if rejected:
-            self._waiting.extend(rejected)
-            self._handed += len(rejected)
+            self._waiting.append(rejected)
+            self._handed += 1
             self._drive()
+
+    def forget(self, partitions: Collection[int]) -> None:
+        """Do not park what waits of markers ``partitions``: they are revoked, and their next
+        owner reads those records again from the applied offset, which did not move past
+        them (a flush that would move it waits for them)."""
+        if not partitions:
+            return
+        for handed in self._waiting:
+            handed[:] = [item for item in handed if item.record.partition not in partitions]
+        if self._driver is not None and not self._driver.done():
+            self._forgotten_in_flight.update(partitions)
 
     async def settle(self) -> None:
         """Wait until every record handed over before this call is parked.
@@ -89,16 +113,24 @@ class ParkingInFlight:
 
     async def _park_waiting(self) -> None:
         while self._waiting:
-            batch, self._waiting = self._waiting, []
+            handed, self._waiting = self._waiting, []
+            batch = [item for records in handed for item in records]
+            self._forgotten_in_flight = set()
             try:
-                await self._parker.park(batch)
+                if batch:
+                    await self._parker.park(batch)
             except BaseException as exc:
-                self._waiting[:0] = batch  # first in line again
+                forgotten, self._forgotten_in_flight = self._forgotten_in_flight, set()
+                if forgotten:
+                    for records in handed:
+                        records[:] = [i for i in records if i.record.partition not in forgotten]
+                self._waiting[:0] = handed  # first in line again
                 if isinstance(exc, KafkaError):
                     self._failed = exc
                     return
                 raise
+            self._forgotten_in_flight = set()
             self._failed = None
-            self._parked += len(batch)
+            self._parked += len(handed)
             for category, n in Counter(map(category_of, batch)).items():
                 self._metrics.markers_invalid.labels(category).inc(n)
