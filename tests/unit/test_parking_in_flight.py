@@ -57,6 +57,16 @@ def counted(metrics: Metrics) -> float:
     return float(value)
 
 
+async def handed_over_while_down(
+    parker: Parker, parking: ParkingInFlight, records: list[Rejected]
+) -> None:
+    """Hand ``records`` over while the broker is down: the flush raises, they wait in line."""
+    parker.down = True
+    parking.start(records)
+    with pytest.raises(KafkaConnectionError):
+        await parking.settle()
+
+
 async def test_a_flush_waits_for_every_record_handed_over_before_it() -> None:
     parker = Parker()
     parking, metrics = in_flight(parker)
@@ -75,10 +85,7 @@ async def test_a_flush_waits_for_every_record_handed_over_before_it() -> None:
 async def test_a_failed_produce_keeps_its_records_first_in_line() -> None:
     parker = Parker()
     parking, metrics = in_flight(parker)
-    parker.down = True
-    parking.start(refused(0, 1, 2))
-    with pytest.raises(KafkaConnectionError):
-        await parking.settle()
+    await handed_over_while_down(parker, parking, refused(0, 1, 2))
     assert counted(metrics) == 0
     parking.start(refused(0, 3))
     parker.down = False
@@ -128,10 +135,7 @@ async def test_a_partition_revoked_during_a_produce_that_fails_is_not_put_back()
 async def test_a_flush_after_everything_was_forgotten_does_not_wait() -> None:
     parker = Parker()
     parking, _ = in_flight(parker)
-    parker.down = True
-    parking.start(refused(2, 1, 2))
-    with pytest.raises(KafkaConnectionError):
-        await parking.settle()
+    await handed_over_while_down(parker, parking, refused(2, 1, 2))
     parking.forget({2})
     await asyncio.wait_for(parking.settle(), 5)
     assert parker.parked == []
