@@ -243,7 +243,7 @@ class InvalidMarkerParker:
         """
         headers = _ParkedHeaders(self._markers_topic)
         label, prefix = headers.label, headers.prefix
-        groups: dict[int, list[_Parked]] = {}
+        groups: dict[int, list[_Parked]] = defaultdict(list)
         for item in rejected:
             record = item.record
             source = record.partition
@@ -260,11 +260,9 @@ class InvalidMarkerParker:
                 # value and say that it was a tombstone.
                 value = b""
                 parked_headers.append(_TOMBSTONE)
-            target = _invalid_partition(partitions, source)
-            group = groups.get(target)
-            if group is None:
-                group = groups[target] = []
-            group.append(_Parked(key, value, parked_headers))
+            groups[_invalid_partition(partitions, source)].append(
+                _Parked(key, value, parked_headers)
+            )
         return groups
 
     async def park(self, rejected: Sequence[Rejected]) -> None:

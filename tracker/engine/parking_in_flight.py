@@ -73,8 +73,7 @@ class ParkingInFlight:
         them (a flush that would move it waits for them)."""
         if not partitions:
             return
-        for handed in self._waiting:
-            handed[:] = [item for item in handed if item.record.partition not in partitions]
+        _drop(self._waiting, partitions)
         if self._driver is not None and not self._driver.done():
             self._forgotten_in_flight.update(partitions)
 
@@ -120,17 +119,20 @@ class ParkingInFlight:
                 if batch:
                     await self._parker.park(batch)
             except BaseException as exc:
-                forgotten, self._forgotten_in_flight = self._forgotten_in_flight, set()
-                if forgotten:
-                    for records in handed:
-                        records[:] = [i for i in records if i.record.partition not in forgotten]
+                _drop(handed, self._forgotten_in_flight)
                 self._waiting[:0] = handed  # first in line again
                 if isinstance(exc, KafkaError):
                     self._failed = exc
                     return
                 raise
-            self._forgotten_in_flight = set()
             self._failed = None
             self._parked += len(handed)
             for category, n in Counter(map(category_of, batch)).items():
                 self._metrics.markers_invalid.labels(category).inc(n)
+
+
+def _drop(hand_overs: list[list[Rejected]], partitions: Collection[int]) -> None:
+    """Remove the records of markers ``partitions`` from ``hand_overs`` (each kept, shorter)."""
+    if partitions:
+        for records in hand_overs:
+            records[:] = [item for item in records if item.record.partition not in partitions]
