@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from pipeline.ledger import LedgerJob
+    from pipeline.ledger_compaction import CompactionFailed
     from pipeline.run_log import LedgerRun
 
 from pipeline import __version__
@@ -298,19 +299,29 @@ def _reported_run(spark: SparkSession, job: LedgerJob) -> tuple[dict[str, Any], 
     A compaction that followed the run is a run of its own in the log: its record goes into
     the JSON as ``compaction_after`` (null when none ran) and its summary is a second line,
     so each invocation (each ``--every`` tick) prints one JSON value, whose ``run_seq`` and
-    the compaction's account for every number in the log.
+    the compaction's account for every number in the log. A compaction (or the tidy after
+    the run) that failed is ``compaction_failed`` (``{"after_run", "error"}``, else null);
+    its warning is the line on stderr, and the run itself still succeeded.
     """
     from pipeline.ledger import run_ledger  # noqa: PLC0415
+    from pipeline.ledger_compaction import CompactionFailed  # noqa: PLC0415
 
-    compaction: LedgerRun | None = None
+    outcome: LedgerRun | CompactionFailed | None = None
 
-    def compacted(run: LedgerRun) -> None:
-        nonlocal compaction
-        compaction = run
+    def compacted(what: LedgerRun | CompactionFailed) -> None:
+        nonlocal outcome
+        outcome = what
 
     run = run_ledger(spark, job, on_compaction=compacted)
     result = run.to_json()
+    failed: CompactionFailed | None = None
+    compaction: LedgerRun | None = None
+    if isinstance(outcome, CompactionFailed):
+        failed = outcome
+    else:
+        compaction = outcome
     result["compaction_after"] = None if compaction is None else compaction.to_json()
+    result["compaction_failed"] = None if failed is None else failed.to_json()
     if compaction is None:
         return result, ledger_summary(run)
     return result, f"{ledger_summary(run)}\n{ledger_summary(compaction)}"

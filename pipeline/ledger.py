@@ -24,7 +24,12 @@ from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from pipeline.hadoop_fs import join_path
-from pipeline.ledger_compaction import COMPACT_EVERY, REPLACED_FILES_KEPT, compact_if_due
+from pipeline.ledger_compaction import (
+    COMPACT_EVERY,
+    REPLACED_FILES_KEPT,
+    CompactionFailed,
+    compact_if_due,
+)
 from pipeline.ledger_fold import (
     CONTENT_HASH,
     FINAL_STATES,
@@ -130,13 +135,14 @@ def run_ledger(
     spark: SparkSession,
     job: LedgerJob,
     *,
-    on_compaction: Callable[[LedgerRun], None] | None = None,
+    on_compaction: Callable[[LedgerRun | CompactionFailed], None] | None = None,
 ) -> LedgerRun:
     """Run the ledger job once (see the module docstring); returns the committed run.
 
     A compaction that follows it (when due, see :mod:`pipeline.ledger_compaction`) is a run of
-    its own in the log; ``on_compaction`` is called with it, so a caller that reports runs
-    can report that one too (the command line adds it to the run's JSON and summary).
+    its own in the log; ``on_compaction`` is called with it, or with what failed if it (or the
+    tidy after the run) failed, so a caller that reports runs can report that too (the
+    command line adds it to the run's JSON and summary).
     """
     started = time.monotonic()
     runs = read_run_log(spark, job.output)

@@ -39,7 +39,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -77,6 +79,39 @@ REPLACED_FILES_KEPT = timedelta(hours=1)
 _COMMITTED_MARKER = "_COMMITTED"
 
 log = logging.getLogger(__name__)
+#: The longest error text a failed compaction reports (a Py4J error carries a Java stack).
+ERROR_TEXT_MAX = 500
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionFailed:
+    """A compaction, or the tidy that ends each run, that failed after run ``after_run``.
+
+    Not an error of the run: that run is committed, and a later one tries again. Reported
+    to the caller (the command line puts it in the run's JSON as ``compaction_failed``) so
+    that a compaction that fails run after run, say for want of disk, shows where the runs
+    are watched and not only in a log line.
+    """
+
+    after_run: int
+    error: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"after_run": self.after_run, "error": self.error}
+
+
+def describe_error(exc: BaseException) -> str:
+    """``exc`` as one line: its type and message, without a Java stack trace (Py4J puts the
+    JVM's whole trace in the message), cut at :data:`ERROR_TEXT_MAX` characters."""
+    lines = []
+    for line in str(exc).splitlines():
+        text = line.strip()
+        if text.startswith(("at ", "...")):
+            break  # a Java stack frame: what came before says what failed
+        if text:
+            lines.append(text)
+    text = f"{type(exc).__name__}: {' '.join(lines)}" if lines else type(exc).__name__
+    return text if len(text) <= ERROR_TEXT_MAX else text[: ERROR_TEXT_MAX - 3] + "..."
 
 
 def compaction_due(runs: RunLog, committed_seq: int, every: int) -> bool:
@@ -95,20 +130,28 @@ def compact_if_due(
     every: int,
     *,
     keep: timedelta = REPLACED_FILES_KEPT,
-) -> LedgerRun | None:
+) -> LedgerRun | CompactionFailed | None:
     """After run ``committed_seq`` committed (``runs``: the log it started from): compact if
     :func:`compaction_due`, else finish what earlier compactions left. Returns the compaction
-    run, if one ran.
+    run if one ran, what failed if that failed, else None.
 
-    Failures are logged, not raised: the run is committed, and a later one tries again.
-    Every exception is caught for that reason (Spark and Py4J raise many kinds).
+    Failures are returned and logged as one line, not raised: the run is committed, and a
+    later one tries again. Every exception is caught for that reason (Spark and Py4J raise
+    many kinds); its traceback is logged at DEBUG.
     """
     try:
         if compaction_due(runs, committed_seq, every):
             return compact_ledger(spark, root, keep=keep)
         tidy_compactions(spark, root, runs, keep=keep)
-    except Exception:
-        log.exception("ledger: compaction after run %d failed (a later run retries)", committed_seq)
+    except Exception as exc:
+        failed = CompactionFailed(committed_seq, describe_error(exc))
+        log.warning(
+            "ledger: compaction after run %d failed (a later run retries): %s",
+            committed_seq,
+            failed.error,
+        )
+        log.debug("ledger: the failed compaction's traceback", exc_info=True)
+        return failed
     return None
 
 

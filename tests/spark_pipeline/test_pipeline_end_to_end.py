@@ -366,6 +366,46 @@ def test_ledger_every_runs_again_in_the_same_session(
         assert why in capsys.readouterr().err, wrong
 
 
+def test_a_failed_compaction_is_in_the_runs_json_as_one_line_not_a_traceback(
+    world: World,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A compaction that fails after a run (here with a Py4J-style message that carries a
+    Java stack) leaves the run committed and reported; the JSON says what failed (null when
+    nothing did), the warning is one line, and the traceback is logged only at DEBUG."""
+    from pipeline import ledger_compaction  # noqa: PLC0415
+
+    def full(*_: object, **__: object) -> None:
+        raise RuntimeError(
+            "An error occurred while calling o57.save.\n"
+            ": java.io.IOException: No space left on device\n"
+            "\tat org.apache.hadoop.fs.RawLocalFileSystem.write(RawLocalFileSystem.java:1)\n"
+        )
+
+    monkeypatch.setattr(ledger_compaction, "compact_ledger", full)
+    ledger = world.tmp / "compaction-fails"
+    common = ["--bootstrap", world.bootstrap, "--markers-topic", world.markers]
+    with caplog.at_level("DEBUG", logger=ledger_compaction.__name__):
+        assert main(["ledger", *common, "--output", str(ledger), "--compact-every", "1"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert run["rows_written"] == sum(PLAN.values()) + GHOSTS, "the run itself committed"
+    assert run["compaction_after"] is None
+    error = (
+        "RuntimeError: An error occurred while calling o57.save. "
+        ": java.io.IOException: No space left on device"
+    )
+    assert run["compaction_failed"] == {"after_run": run["run_seq"], "error": error}
+    records = [r for r in caplog.records if r.name == ledger_compaction.__name__]
+    warnings = [r for r in records if r.levelname == "WARNING"]
+    assert [r.getMessage() for r in warnings] == [
+        f"ledger: compaction after run {run['run_seq']} failed (a later run retries): {error}"
+    ]
+    assert warnings[0].exc_info is None, "one line, no traceback"
+    assert any(r.levelname == "DEBUG" and r.exc_info for r in records), "traceback at DEBUG"
+
+
 def test_ledger_every_gives_up_after_max_failures_runs_in_a_row(
     world: World, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
