@@ -142,19 +142,23 @@ async def test_consumers_killed_mid_batch_lose_nothing(
         running_tracker(env, default_policy=policy) as tracker,
         TopicWatcher(kafka_bootstrap, topic, markers) as watcher,
     ):
-        producing = asyncio.create_task(
-            # Spread over the kill phase (a cycle is ~8 s: the dead member times out, a join,
-            # then 0.3-2 s of work).
-            produce_over_time(
-                kafka_bootstrap,
-                topic,
-                MESSAGES,
-                batch=10,
-                interval=KILLS * 8 / (MESSAGES / 10),
-                sent=sent,
+        # Production is paced by the kill cycles, not by a guess of their length: each cycle's
+        # share is sent while its incarnation joins and works (so it always has messages of
+        # its own to be killed over; with a fixed schedule, cycles slower than guessed ran out
+        # of messages and an incarnation waited for a batch that never came).
+        share = MESSAGES // KILLS
+        for cycle in range(KILLS):
+            producing = asyncio.create_task(
+                produce_over_time(
+                    kafka_bootstrap,
+                    topic,
+                    share,
+                    batch=10,
+                    interval=0.5,
+                    sent=sent,
+                    first=cycle * share,
+                )
             )
-        )
-        for _ in range(KILLS):
             incarnation = await _start(args, log)
             incarnations.append(incarnation)
             await asyncio.wait_for(incarnation.joined.wait(), 60)
@@ -164,7 +168,16 @@ async def test_consumers_killed_mid_batch_lose_nothing(
             await asyncio.wait_for(incarnation.working.wait(), 60)
             await asyncio.sleep(rng.uniform(0.3, 2.0))
             await incarnation.kill()
-        await producing
+            await producing
+        await produce_over_time(
+            kafka_bootstrap,
+            topic,
+            MESSAGES - KILLS * share,
+            batch=10,
+            interval=0.5,
+            sent=sent,
+            first=KILLS * share,
+        )
         last = await _start(args, log)
         incarnations.append(last)
 

@@ -23,8 +23,8 @@ from .harness import SOAK, Figures, report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-MESSAGES = int(os.environ.get("KMQ_SOAK_CRASH_MESSAGES", "1500"))
-KILLS = int(os.environ.get("KMQ_SOAK_CRASH_KILLS", "25"))
+MESSAGES = int(os.environ.get("KMQ_SOAK_CRASH_MESSAGES", "3000"))
+KILLS = int(os.environ.get("KMQ_SOAK_CRASH_KILLS", "50"))
 
 _SUMMARY = re.compile(
     r"(?P<produced>\d+) produced, .*?(?P<copies>\d+) copies .*?"
