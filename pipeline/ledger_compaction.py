@@ -103,8 +103,12 @@ class CompactionFailed:
 def describe_error(exc: BaseException) -> str:
     """``exc`` as one line: its type and message, without a Java stack trace (Py4J puts the
     JVM's whole trace in the message), cut at :data:`ERROR_TEXT_MAX` characters."""
+    try:
+        message = str(exc)
+    except Exception:  # a Py4J error asks the JVM for its text, and the JVM may be gone
+        message = ""
     lines = []
-    for line in str(exc).splitlines():
+    for line in message.splitlines():
         text = line.strip()
         if text.startswith(("at ", "...")):
             break  # a Java stack frame: what came before says what failed

@@ -19,6 +19,7 @@ from pipeline.ledger_compaction import (
     COMPACTION_DIR,
     compact_ledger,
     compaction_due,
+    describe_error,
     tidy_compactions,
 )
 from pipeline.ledger_store import LEDGER_DIR, TABLE_DIRS, load_ledger
@@ -239,3 +240,25 @@ def test_a_compaction_is_due_every_so_many_runs_and_retried_less_often() -> None
     after = [seq for seq in range(31, 60) if compaction_due(log(30, runs=seq - 1), seq, 16)]
     assert after[0] == 46, "16 runs after the compaction (run 30)"
     assert not [seq for seq in range(1, 50) if compaction_due(log(runs=seq - 1), seq, 0)]
+
+
+def test_a_failure_is_described_in_one_line_even_when_its_text_cannot_be_had() -> None:
+    """What a failed compaction reports: type and message without the Java frames, cut to a
+    bounded length, and the type alone when the message itself fails (a Py4J error asks the
+    JVM for it) rather than an exception out of the report of a committed run."""
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ConnectionError("the JVM is gone")
+
+    java = RuntimeError(
+        "An error occurred while calling o57.save.\n: java.io.IOException: disk full\n"
+        "\tat org.apache.hadoop.fs.Foo.bar(Foo.java:1)\n\tat more"
+    )
+    assert describe_error(java) == (
+        "RuntimeError: An error occurred while calling o57.save. : java.io.IOException: disk full"
+    )
+    assert describe_error(Unprintable()) == "Unprintable"
+    long = describe_error(OSError("x" * 2000))
+    assert len(long) == ledger_compaction.ERROR_TEXT_MAX
+    assert long.endswith("...")
