@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from pipeline.ledger import LedgerJob
-    from pipeline.ledger_compaction import CompactionFailed
     from pipeline.run_log import LedgerRun
 
 from pipeline import __version__

@@ -146,17 +146,17 @@ async def test_consumers_killed_mid_batch_lose_nothing(
         # share is sent while its incarnation joins and works (so it always has messages of
         # its own to be killed over; with a fixed schedule, cycles slower than guessed ran out
         # of messages and an incarnation waited for a batch that never came).
-        share = MESSAGES // KILLS
+        bounds = [MESSAGES * cycle // KILLS for cycle in range(KILLS + 1)]
         for cycle in range(KILLS):
             producing = asyncio.create_task(
                 produce_over_time(
                     kafka_bootstrap,
                     topic,
-                    share,
+                    bounds[cycle + 1] - bounds[cycle],
                     batch=10,
                     interval=0.5,
                     sent=sent,
-                    first=cycle * share,
+                    first=bounds[cycle],
                 )
             )
             incarnation = await _start(args, log)
@@ -169,15 +169,6 @@ async def test_consumers_killed_mid_batch_lose_nothing(
             await asyncio.sleep(rng.uniform(0.3, 2.0))
             await incarnation.kill()
             await producing
-        await produce_over_time(
-            kafka_bootstrap,
-            topic,
-            MESSAGES - KILLS * share,
-            batch=10,
-            interval=0.5,
-            sent=sent,
-            first=KILLS * share,
-        )
         last = await _start(args, log)
         incarnations.append(last)
 
