@@ -3,7 +3,8 @@
 The tracker runs as a real ``kmq-tracker run`` subprocess; the workload (a producer and a
 worker) runs in the test process and outlives every tracker incarnation:
 
-* the producer sends ``MESSAGES`` messages in small batches spread over the kill phase;
+* the producer sends ``MESSAGES`` messages in small batches, an equal share in each kill
+  cycle (sent while that cycle's incarnation works and the next one starts);
 * the worker acks ~70% of first deliveries at once and "crashes" on the others (drops them
   without any marker), and acks every redelivered copy (attempt >= 2);
 * ``KILLS`` times, after a seeded random 0.5-3 s of work, the tracker gets SIGKILL and a new
@@ -287,13 +288,25 @@ async def test_tracker_killed_at_random_moments_loses_nothing(
             lives = [[time.time() * 1000, 0.0]]  # [owning since, killed at] per incarnation
             timings.append(f"first start {ready:.1f}s")
             await worker.wait_joined()
-            producing = asyncio.create_task(
-                produce_over_time(
-                    kafka_bootstrap, topic, MESSAGES, batch=15, interval=1.5, sent=sent
-                )
-            )
+            # Production is paced by the kill cycles, not by a guess of their length: each
+            # cycle's share is sent while its incarnation works and the next one starts, so
+            # every incarnation has leases expiring under it (with one schedule over the whole
+            # phase, restarts slower than guessed left the last kills on an idle tracker).
+            bounds = [MESSAGES * cycle // KILLS for cycle in range(KILLS + 1)]
+            producing: asyncio.Task[Any] | None = None
             try:
-                for _ in range(KILLS):
+                for cycle in range(KILLS):
+                    producing = asyncio.create_task(
+                        produce_over_time(
+                            kafka_bootstrap,
+                            topic,
+                            bounds[cycle + 1] - bounds[cycle],
+                            batch=15,
+                            interval=1.0,
+                            sent=sent,
+                            first=bounds[cycle],
+                        )
+                    )
                     await asyncio.sleep(rng.uniform(0.5, 3.0))
                     worker.check_alive()
                     before = await partition_epochs(store, markers)
@@ -303,9 +316,9 @@ async def test_tracker_killed_at_random_moments_loses_nothing(
                     ready = await wait_until_owning(tracker, store, markers, before)
                     lives.append([time.time() * 1000, 0.0])
                     timings.append(f"restart {tracker.incarnation - 1}: {ready:.1f}s")
-                await producing
+                    await producing
             finally:
-                if not producing.done():
+                if producing is not None and not producing.done():
                     producing.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await producing
