@@ -21,6 +21,7 @@ queue topic (originals and copies) and the consumers' output:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -28,6 +29,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 from integration.engine_support import TopicWatcher, eventually
@@ -102,6 +104,17 @@ async def _start(args: list[str], log: Path) -> Incarnation:
     return Incarnation(process)
 
 
+async def _abandon(producing: asyncio.Task[Any] | None, incarnations: list[Incarnation]) -> None:
+    """Stop the producer and every consumer process still alive (a test that failed early)."""
+    if producing is not None and not producing.done():
+        producing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await producing
+    for incarnation in incarnations:
+        if incarnation.process.returncode is None:
+            await incarnation.kill()
+
+
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("mode", ["batches", "pool", "v1"])
 async def test_consumers_killed_mid_batch_lose_nothing(
@@ -142,54 +155,59 @@ async def test_consumers_killed_mid_batch_lose_nothing(
         running_tracker(env, default_policy=policy) as tracker,
         TopicWatcher(kafka_bootstrap, topic, markers) as watcher,
     ):
-        # Production is paced by the kill cycles, not by a guess of their length: each cycle's
-        # share is sent while its incarnation joins and works (so it always has messages of
-        # its own to be killed over; with a fixed schedule, cycles slower than guessed ran out
-        # of messages and an incarnation waited for a batch that never came).
-        bounds = [MESSAGES * cycle // KILLS for cycle in range(KILLS + 1)]
-        for cycle in range(KILLS):
-            producing = asyncio.create_task(
-                produce_over_time(
-                    kafka_bootstrap,
-                    topic,
-                    bounds[cycle + 1] - bounds[cycle],
-                    batch=10,
-                    interval=0.5,
-                    sent=sent,
-                    first=bounds[cycle],
+        producing: asyncio.Task[Any] | None = None
+        try:
+            # Production is paced by the kill cycles, not by a guess of their length: each cycle's
+            # share is sent while its incarnation joins and works (so it always has messages of
+            # its own to be killed over; with a fixed schedule, cycles slower than guessed ran out
+            # of messages and an incarnation waited for a batch that never came).
+            bounds = [MESSAGES * cycle // KILLS for cycle in range(KILLS + 1)]
+            for cycle in range(KILLS):
+                producing = asyncio.create_task(
+                    produce_over_time(
+                        kafka_bootstrap,
+                        topic,
+                        bounds[cycle + 1] - bounds[cycle],
+                        batch=10,
+                        interval=0.5,
+                        sent=sent,
+                        first=bounds[cycle],
+                    )
                 )
-            )
-            incarnation = await _start(args, log)
-            incarnations.append(incarnation)
-            await asyncio.wait_for(incarnation.joined.wait(), 60)
-            # Until the group has given it partitions (the killed one's session must time out
-            # first) and it holds a batch; then work for a while: mid-batch, acks queued or in
-            # flight, the next batch prepared or not.
-            await asyncio.wait_for(incarnation.working.wait(), 60)
-            await asyncio.sleep(rng.uniform(0.3, 2.0))
-            await incarnation.kill()
-            await producing
-        last = await _start(args, log)
-        incarnations.append(last)
+                incarnation = await _start(args, log)
+                incarnations.append(incarnation)
+                await asyncio.wait_for(incarnation.joined.wait(), 60)
+                # Until the group has given it partitions (the killed one's session must time out
+                # first) and it holds a batch; then work for a while: mid-batch, acks queued or in
+                # flight, the next batch prepared or not.
+                await asyncio.wait_for(incarnation.working.wait(), 60)
+                await asyncio.sleep(rng.uniform(0.3, 2.0))
+                await incarnation.kill()
+                await producing
+            last = await _start(args, log)
+            incarnations.append(last)
 
-        def settled() -> bool:
-            acked = confirmed()
-            doubt = {o for i in incarnations for o, _ in i.acking - i.acked}
-            return all(acked.get(origin) or origin in doubt for origin in sent)
+            def settled() -> bool:
+                acked = confirmed()
+                doubt = {o for i in incarnations for o, _ in i.acking - i.acked}
+                return all(acked.get(origin) or origin in doubt for origin in sent)
 
-        await eventually(settled, within=300, what=f"all {len(sent)} messages acked")
-        # Then until the tracker holds nothing for the group: every SETTLE applied, and every
-        # message in doubt whose SETTLE was lost redelivered and acked (no copy can come later).
+            await eventually(settled, within=300, what=f"all {len(sent)} messages acked")
+            # Then until the tracker holds nothing for the group: every SETTLE applied, and every
+            # message in doubt whose SETTLE was lost redelivered and acked (no copy can come later).
 
-        async def nothing_tracked() -> bool:
-            return (
-                not await tracker.store.list_entries(group=group)
-                and settled()
-                and not last.acking - last.acked  # the last one's acks are confirmed
-            )
+            async def nothing_tracked() -> bool:
+                return (
+                    not await tracker.store.list_entries(group=group)
+                    and settled()
+                    and not last.acking - last.acked  # the last one's acks are confirmed
+                )
 
-        await eventually(nothing_tracked, within=120, what="nothing left in the store")
-        await last.kill()
+            await eventually(nothing_tracked, within=120, what="nothing left in the store")
+            await last.kill()
+        finally:
+            # On a failure (a wait timed out), leave nothing running behind the test.
+            await _abandon(producing, incarnations)
         copies: dict[MessageId, set[int]] = defaultdict(set)
         copied_ms: dict[tuple[MessageId, int], int] = {}
         #: where each (origin, attempt) sits in the queue topic (attempt 1: the origin itself)
