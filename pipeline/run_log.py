@@ -207,7 +207,8 @@ def read_run_log(spark: SparkSession, root: str) -> RunLog:
     # that the checkpoint before its new one covers, which this reader skips whichever of the
     # two it took (and a file archived while Spark lists and reads them is not missed).
     checkpoint = _newest_complete_checkpoint(spark, root)
-    found: list[tuple[RunEntry, str | None]] = []  # (entry, record if read)
+    #: (entry, its record if the checkpoint holds it or the record was read, parsed if it was)
+    found: list[tuple[RunEntry, str | None, LedgerRun | None]] = []
     covered: set[str] = set()
     if checkpoint is not None:
         for row in (
@@ -223,7 +224,7 @@ def read_run_log(spark: SparkSession, root: str) -> RunLog:
                 row["orphan_dlq_records"],
                 bool(row["compaction"]),
             )
-            found.append((entry, row["record"]))
+            found.append((entry, row["record"], None))
             covered.add(entry.file)
     # The whole directory, in one read: after checkpoints it holds at most two checkpoints'
     # worth of small files, and one read of a directory costs far less than a read of a list
@@ -248,11 +249,11 @@ def read_run_log(spark: SparkSession, root: str) -> RunLog:
             run.orphan_dlq_records,
             run.compaction,
         )
-        found.append((entry, row["record"]))
+        found.append((entry, row["record"], run))
     found.sort(key=lambda item: (item[0].run_seq, item[0].run_id))
     if not found:
         return RunLog()
-    seqs = [entry.run_seq for entry, _ in found]
+    seqs = [entry.run_seq for entry, _, _ in found]
     if seqs != list(range(1, len(seqs) + 1)):
         # Each run takes the number after the last committed one, so a gap or a repeat is a
         # record gone (deleted, or archived under a reader: see the module docstring) or two
@@ -261,12 +262,14 @@ def read_run_log(spark: SparkSession, root: str) -> RunLog:
             f"the run log at {root} is damaged: run numbers {_ranges(seqs)} (expected 1 to "
             f"{len(seqs)}, each once); see docs/pipeline.md, Runs"
         )
-    newest = found[-1][1]
+    _, newest_record, newest = found[-1]
     if newest is None:
-        raise LedgerError(f"the run log at {root} has no record of its newest run")
+        if newest_record is None:
+            raise LedgerError(f"the run log at {root} has no record of its newest run")
+        newest = LedgerRun.from_json(json.loads(newest_record))
     return RunLog(
-        tuple(entry for entry, _ in found),
-        LedgerRun.from_json(json.loads(newest)),
+        tuple(entry for entry, _, _ in found),
+        newest,
         checkpoint,
         uncovered,
     )
