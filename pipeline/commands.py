@@ -365,16 +365,22 @@ def _ledger_job(args: argparse.Namespace) -> LedgerJob:
 def _ledger_every(args: argparse.Namespace) -> int:
     """``ledger --every``: runs in one session until stopped (see pipeline.ledger_loop)."""
     from pipeline.ledger_fold import LedgerError  # noqa: PLC0415
-    from pipeline.ledger_loop import LoopPolicy, run_every, stop_on_signals  # noqa: PLC0415
+    from pipeline.ledger_loop import (  # noqa: PLC0415
+        LoopPolicy,
+        LoopPolicyError,
+        run_every,
+        stop_on_signals,
+    )
 
     if args.as_of is not None or args.end is not None:
         raise LedgerError("--every judges each run at its own time: leave out --as-of and --to")
-    for option, value in (("--runs", args.runs), ("--max-failures", args.max_failures)):
-        if value is not None and value < 1:
-            raise LedgerError(f"{option} must be at least 1")
-    if args.every <= 0:
-        raise LedgerError("--every must be a positive interval")
-    policy = LoopPolicy(args.every / 1000, args.runs, args.max_failures or 3)
+    try:
+        policy = LoopPolicy(
+            args.every / 1000, args.runs, 3 if args.max_failures is None else args.max_failures
+        )
+    except LoopPolicyError as wrong:
+        option = {"every_s": "--every", "runs": "--runs", "max_failures": "--max-failures"}
+        raise LedgerError(f"{option[wrong.field]} {wrong.requirement}") from None
     job = _ledger_job(args)  # what is wrong with the options shows now, not as failed runs
     stop = threading.Event()
     with _session(args) as spark:

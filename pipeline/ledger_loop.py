@@ -26,6 +26,16 @@ from dataclasses import dataclass
 from types import FrameType
 
 
+class LoopPolicyError(ValueError):
+    """A ``LoopPolicy`` field that cannot run: ``field`` names it, so that a caller can say
+    which of its own options it came from (the CLI names its flag)."""
+
+    def __init__(self, field: str, requirement: str) -> None:
+        super().__init__(f"{field} {requirement}")
+        self.field = field
+        self.requirement = requirement
+
+
 @dataclass(frozen=True, slots=True)
 class LoopPolicy:
     """How often a run starts, how many there are, how many failures in a row end the loop."""
@@ -36,11 +46,11 @@ class LoopPolicy:
 
     def __post_init__(self) -> None:
         if self.every_s <= 0:
-            raise ValueError("the interval between runs must be positive")
+            raise LoopPolicyError("every_s", "must be a positive interval")
         if self.runs is not None and self.runs < 1:
-            raise ValueError("the number of runs must be at least 1")
+            raise LoopPolicyError("runs", "must be at least 1")
         if self.max_failures < 1:
-            raise ValueError("max_failures must be at least 1")
+            raise LoopPolicyError("max_failures", "must be at least 1")
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from types import FrameType
 
 import pytest
 
-from pipeline.ledger_loop import LoopPolicy, run_every, stop_on_signals
+from pipeline.ledger_loop import LoopPolicy, LoopPolicyError, run_every, stop_on_signals
 
 
 class RecordedStop(threading.Event):
@@ -131,17 +131,19 @@ def test_keyboard_interrupt_is_not_a_failed_run() -> None:
 @pytest.mark.parametrize(
     ("every_s", "runs", "max_failures", "message"),
     [
-        (0.0, None, 3, "interval between runs must be positive"),
-        (-1.0, None, 3, "interval between runs must be positive"),
-        (1.0, 0, 3, "number of runs must be at least 1"),
+        (0.0, None, 3, "every_s must be a positive interval"),
+        (-1.0, None, 3, "every_s must be a positive interval"),
+        (1.0, 0, 3, "runs must be at least 1"),
         (1.0, None, 0, "max_failures must be at least 1"),
     ],
 )
 def test_a_policy_that_cannot_run_is_refused(
     every_s: float, runs: int | None, max_failures: int, message: str
 ) -> None:
-    with pytest.raises(ValueError, match=message):
+    """The error names the field (the CLI turns it into its flag: the end-to-end tests)."""
+    with pytest.raises(LoopPolicyError, match=message) as refused:
         LoopPolicy(every_s, runs, max_failures)
+    assert refused.value.field == message.split(maxsplit=1)[0]
 
 
 def _signal_and_wait(number: signal.Signals) -> None:
