@@ -1,10 +1,12 @@
-"""Decoding the DataFrame of Spark's own ``kafka`` connector, where a cluster has it.
+"""Decoding the DataFrame of Spark's own ``kafka`` connector (or of raw records kept anywhere).
 
 The built-in reader (:mod:`pipeline.source`) builds its batches on the executors directly;
-with the connector the records arrive as a DataFrame instead, and :func:`decode_markers_frame`
-and :func:`decode_dlq_frame` run the same batch builders over it in ``mapInArrow``, so a
-marker decodes the same whatever read it. Apart because only this path needs the Spark
-DataFrame API and the conversion back from Arrow columns to Python lists.
+with the connector the records arrive as a DataFrame instead. :func:`decode_markers_frame`
+decodes them in the JVM where the session has the decoder's jar (:mod:`pipeline.jvm_decoder`,
+the same rules and error texts as the C decoder), else with the same batch builders as the
+built-in reader in ``mapInArrow``; :func:`decode_dlq_frame` always does the latter. A marker
+decodes the same whatever read it. Apart because only this path needs the Spark DataFrame API
+and the conversion back from Arrow columns to Python lists.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from pipeline.arrow_columns import epoch_millis
+from pipeline.jvm_decoder import FUNCTION, register_decoder
 from pipeline.marker_batches import markers_batch
 from pipeline.record_batches import dlq_batch
 from pipeline.record_schemas import arrow_schema, spark_schema
@@ -66,12 +69,32 @@ def _dlq_mapper(
     return decode
 
 
-def decode_markers_frame(raw: DataFrame) -> DataFrame:
+def decode_markers_frame(raw: DataFrame, *, decoder: str = "auto") -> DataFrame:
     """Decode a DataFrame shaped like Spark's ``kafka`` source into the markers schema.
 
     ``raw`` needs ``partition``, ``offset``, ``timestamp`` and ``value`` (extra columns are
-    ignored); the decoding runs on the executors, in Arrow batches, with ``decode_batch``.
+    ignored). ``decoder``: ``"jvm"`` decodes in the JVM (:mod:`pipeline.jvm_decoder`: the
+    records never leave it), ``"python"`` on the executors' Python workers, in Arrow batches,
+    with ``decode_batch``; ``"auto"`` (default) the JVM where the session has its jar. Both
+    give the same rows.
     """
+    if decoder not in {"auto", "jvm", "python"}:
+        raise ValueError(f"unknown decoder {decoder!r}: expected 'auto', 'jvm' or 'python'")
+    if decoder != "python":
+        from pyspark.sql import functions as F  # noqa: PLC0415 - pyspark is optional
+
+        if register_decoder(raw.sparkSession):
+            return raw.select(
+                F.col("partition").alias("markers_partition"),
+                F.col("offset").alias("markers_offset"),
+                "timestamp",
+                F.inline(F.call_function(FUNCTION, F.col("value"))),
+            )
+        if decoder == "jvm":
+            raise RuntimeError(
+                "the JVM marker decoder is not on this session's classpath "
+                "(see python -m pipeline.jvm_decoder)"
+            )
     schema = spark_schema("markers")
     mapper = _markers_mapper(arrow_schema(schema))
     return raw.select("partition", "offset", "timestamp", "value").mapInArrow(mapper, schema)

@@ -1,0 +1,176 @@
+"""The JVM marker decoder (``pipeline/jvm/MarkerRowsUdf.java``): built, handed to Spark, registered.
+
+Decoding markers in Python (``mapInArrow`` with the C decoder) moves every record from the JVM
+to a Python worker and every decoded column back; that round trip, not the decoding, was 85 %
+of the decode step (docs/benchmarks.md, change 61). Where the records already are in the JVM
+(Spark's ``kafka`` connector, Parquet), they are decoded there by a Java UDF that applies the
+C decoder's rules with its error texts; ``tests/spark_pipeline/test_jvm_decoder.py`` holds the
+two to the same rows.
+
+The jar is built from the source shipped in this package, with the JDK's ``javac`` (from
+``JAVA_HOME`` or the ``PATH``) against PySpark's own jars, into a cache directory
+(``KMQ_JVM_CACHE``, default ``~/.cache/kmq-tracker/jvm``) under a name that hashes the source
+and the Spark version, so a stale build is never used. ``make install`` builds it ahead
+(``python -m pipeline.jvm_decoder``); :func:`pipeline.spark_session.build_session` builds it
+if missing and hands it to the driver and every executor with ``spark.jars``. Where
+no compiler is found, or under ``spark-submit`` without ``--jars`` naming the jar, markers are
+decoded in Python as before: same rows, slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+SOURCE = Path(__file__).with_name("jvm") / "MarkerRowsUdf.java"
+CLASS_NAME = "kmq.pipeline.MarkerRowsUdf"
+#: The SQL function the decoder is registered as: ``kmq_marker_rows(value)`` is an array of
+#: the ``markers`` format's marker fields, one element per row (``inline`` makes them rows).
+FUNCTION = "kmq_marker_rows"
+CACHE_ENV = "KMQ_JVM_CACHE"
+
+log = logging.getLogger(__name__)
+
+
+class JvmDecoderBuildError(RuntimeError):
+    """``javac`` refused the decoder's source (a Spark whose API moved, a broken JDK)."""
+
+
+def find_javac() -> str | None:
+    """The JDK's compiler: ``$JAVA_HOME/bin/javac``, else the one on the ``PATH``."""
+    home = os.environ.get("JAVA_HOME")
+    if home and os.access(Path(home) / "bin" / "javac", os.X_OK):
+        return str(Path(home) / "bin" / "javac")
+    return shutil.which("javac")
+
+
+def _spark_jars() -> Path:
+    import pyspark  # noqa: PLC0415 - pyspark is optional
+
+    return Path(pyspark.__file__).parent / "jars"
+
+
+def jar_path() -> Path:
+    """Where the jar for this source and this Spark version is (or would be) cached."""
+    import pyspark  # noqa: PLC0415
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + pyspark.__version__.encode()).hexdigest()
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kmq-tracker" / "jvm")
+    return cache / f"kmq-marker-rows-{digest[:16]}.jar"
+
+
+def build_jar(javac: str, target: Path) -> Path:
+    """Compile the decoder into ``target`` (written whole, then renamed: builds that race
+    each other, as test processes may, each leave a complete jar)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kmq-jvm-") as work:
+        classes = Path(work) / "classes"
+        done = subprocess.run(  # noqa: S603 - the JDK's own compiler, arguments are ours
+            [
+                javac,
+                "--release",
+                "17",
+                "-nowarn",
+                "-cp",
+                str(_spark_jars() / "*"),
+                "-d",
+                str(classes),
+                str(SOURCE),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise JvmDecoderBuildError(f"javac failed on {SOURCE}:\n{done.stderr.strip()}")
+        partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as jar:
+            for path in sorted(classes.rglob("*.class")):
+                jar.write(path, path.relative_to(classes).as_posix())
+        os.replace(partial, target)
+    return target
+
+
+def decoder_jar() -> Path | None:
+    """The decoder's jar, built now if it is not cached yet; ``None`` without a JDK compiler
+    (or if the build fails, which is logged): markers are then decoded in Python."""
+    target = jar_path()
+    if target.is_file():
+        return target
+    javac = find_javac()
+    if javac is None:
+        log.warning("no javac found: the pipeline decodes markers in Python (slower)")
+        return None
+    try:
+        return build_jar(javac, target)
+    except (JvmDecoderBuildError, OSError) as exc:
+        log.warning("the JVM marker decoder was not built (%s): markers decode in Python", exc)
+        return None
+
+
+def with_decoder_jar(jars: str, jar: Path) -> str:
+    """A ``spark.jars`` value with ``jar`` added to the ones already asked for."""
+    listed = [j for j in jars.split(",") if j]
+    return ",".join([*listed, str(jar)] if str(jar) not in listed else listed)
+
+
+def register_decoder(spark: SparkSession) -> bool:
+    """Register :data:`FUNCTION` in ``spark``; ``False`` where the jar is not on its classpath."""
+    from py4j.protocol import Py4JJavaError  # type: ignore[import-untyped]  # noqa: PLC0415
+    from pyspark.errors import PySparkException  # noqa: PLC0415
+    from pyspark.sql import types as t  # noqa: PLC0415
+
+    from pipeline.record_schemas import spark_schema  # noqa: PLC0415
+
+    if spark.catalog.functionExists(FUNCTION):
+        return True
+    fields = [f for f in spark_schema("markers").fields if f.name not in _POSITION_COLUMNS]
+    try:
+        spark.udf.registerJavaFunction(FUNCTION, CLASS_NAME, t.ArrayType(t.StructType(fields)))
+    except (Py4JJavaError, PySparkException):
+        return False
+    return True
+
+
+#: The ``markers`` columns that come from the record, not from its value.
+_POSITION_COLUMNS = ("markers_partition", "markers_offset", "timestamp")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeline.jvm_decoder``: build the jar (if needed) and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.jvm_decoder", description=__doc__)
+    parser.add_argument(
+        "--if-possible",
+        action="store_true",
+        help="exit 0 without a JDK compiler (the pipeline then decodes markers in Python)",
+    )
+    args = parser.parse_args(argv)
+    target = jar_path()
+    if not target.is_file():
+        javac = find_javac()
+        if javac is None:
+            print("no javac found (install a JDK, or set JAVA_HOME)", file=sys.stderr)
+            return 0 if args.if_possible else 1
+        try:
+            build_jar(javac, target)
+        except JvmDecoderBuildError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    print(target)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
