@@ -365,3 +365,42 @@ def test_range_rows_round_trip() -> None:
     tracked = TrackedRange(GROUP, TOPIC, PARTITION, 5, 1 << 40, 0b1011, 9, 1, 2, "c")
     assert TrackedRange.from_row(tracked.row()) == tracked
     assert entry_key(Marker.ack(GROUP, MessageId(TOPIC, PARTITION, 7))) == (GROUP, TOPIC, 2, 7)
+
+
+def test_a_range_marker_looks_only_at_the_ranges_near_its_offsets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lane can keep thousands of ranges with a few open offsets each, and per-message
+    entries among them (retries, offsets left open): a range marker must not look at every
+    one of them (it did: the markers fuzz soak spent 58 % of ingest there, 2,005 valid
+    markers/s instead of 21,441). Counted, not timed: ``aligned`` is the per-range look."""
+    looks = 0
+    aligned = TrackedRange.aligned
+
+    def counted(self: TrackedRange, bits: int, base: int) -> int:
+        nonlocal looks
+        looks += 1
+        return aligned(self, bits, base)
+
+    monkeypatch.setattr(TrackedRange, "aligned", counted)
+    batches = 2_000
+    steps: list[tuple[AnyMarker, int]] = []
+    for b in range(batches):
+        first, last = 10 * b, 10 * b + 9
+        ref = 1_000 + b
+        steps.append(
+            (RangeMarker.start(GROUP, TOPIC, PARTITION, first, last, timeout_ms=60_000), ref)
+        )
+        retried = MessageId(TOPIC, PARTITION, first + 5)
+        steps.append((Marker.delay(GROUP, retried, delay_ms=50_000, reason="later"), ref))
+        # Offset first+9 is left open: every batch leaves a range of one offset behind.
+        steps.append(
+            (RangeMarker.settle(GROUP, TOPIC, PARTITION, first, last, exceptions=0b1000100000), ref)
+        )
+    state = LaneState({}, [])
+    fold_lane(state, [LaneMarker(m, ref, MARKERS_PARTITION) for m, ref in steps], policy)
+    check_state(state)
+    assert len(state.ranges) == batches
+    assert sum(1 for e in state.entries.values() if e is not None) == batches
+    assert looks <= 4 * batches  # a few per marker, not one per range of the lane
+    assert expand(state) == reference(steps)
