@@ -60,7 +60,7 @@ from tracker.domain.entries import State
 from tracker.store import Store, StoreUnavailable
 
 from .engine_support import TopicWatcher, high_watermarks
-from .workload import Ledger, Worker, message_index, produce_over_time
+from .workload import Ledger, Worker, message_index, produce_cycle_share, produce_over_time
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -292,19 +292,19 @@ async def test_tracker_killed_at_random_moments_loses_nothing(
             # cycle's share is sent while its incarnation works and the next one starts, so
             # every incarnation has leases expiring under it (with one schedule over the whole
             # phase, restarts slower than guessed left the last kills on an idle tracker).
-            bounds = [MESSAGES * cycle // KILLS for cycle in range(KILLS + 1)]
             producing: asyncio.Task[Any] | None = None
             try:
                 for cycle in range(KILLS):
                     producing = asyncio.create_task(
-                        produce_over_time(
+                        produce_cycle_share(
                             kafka_bootstrap,
                             topic,
-                            bounds[cycle + 1] - bounds[cycle],
+                            total=MESSAGES,
+                            cycles=KILLS,
+                            cycle=cycle,
                             batch=15,
                             interval=1.0,
                             sent=sent,
-                            first=bounds[cycle],
                         )
                     )
                     await asyncio.sleep(rng.uniform(0.5, 3.0))

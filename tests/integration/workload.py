@@ -59,6 +59,29 @@ async def produce_over_time(
     return out
 
 
+async def produce_cycle_share(
+    bootstrap: str,
+    topic: str,
+    *,
+    total: int,
+    cycles: int,
+    cycle: int,
+    batch: int,
+    interval: float,
+    sent: dict[MessageId, int],
+) -> dict[MessageId, int]:
+    """Send cycle ``cycle``'s share of ``total`` messages split evenly over ``cycles`` cycles.
+
+    The kill tests pace production by their kill cycles rather than by a guess of how long a
+    cycle takes: each cycle's share is sent while its incarnation works and the next one starts.
+    The shares are contiguous (``m0`` .. ``m<total-1>`` over all cycles).
+    """
+    first, end = total * cycle // cycles, total * (cycle + 1) // cycles
+    return await produce_over_time(
+        bootstrap, topic, end - first, batch=batch, interval=interval, sent=sent, first=first
+    )
+
+
 def message_index(message: KmqMessage | Seen) -> int:
     """The ``i`` of a workload payload ``m<i>``."""
     value = message.value or b""

@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 from integration.engine_support import TopicWatcher, eventually
 from integration.test_engine import running_tracker
-from integration.workload import copy_identity, produce_over_time
+from integration.workload import copy_identity, produce_cycle_share
 from support.broker import TopicFactory
 
 from tracker.ids import MessageId
@@ -161,17 +161,17 @@ async def test_consumers_killed_mid_batch_lose_nothing(
             # share is sent while its incarnation joins and works (so it always has messages of
             # its own to be killed over; with a fixed schedule, cycles slower than guessed ran out
             # of messages and an incarnation waited for a batch that never came).
-            bounds = [MESSAGES * cycle // KILLS for cycle in range(KILLS + 1)]
             for cycle in range(KILLS):
                 producing = asyncio.create_task(
-                    produce_over_time(
+                    produce_cycle_share(
                         kafka_bootstrap,
                         topic,
-                        bounds[cycle + 1] - bounds[cycle],
+                        total=MESSAGES,
+                        cycles=KILLS,
+                        cycle=cycle,
                         batch=10,
                         interval=0.5,
                         sent=sent,
-                        first=bounds[cycle],
                     )
                 )
                 incarnation = await _start(args, log)
