@@ -126,19 +126,22 @@ def with_decoder_jar(jars: str, jar: Path) -> str:
     return ",".join([*listed, str(jar)] if str(jar) not in listed else listed)
 
 
-def register_decoder(spark: SparkSession) -> bool:
-    """Register :data:`FUNCTION` in ``spark``; ``False`` where the jar is not on its classpath."""
+def register_decoder(
+    spark: SparkSession, *, function: str = FUNCTION, class_name: str = CLASS_NAME
+) -> bool:
+    """Register ``function`` (the decoder, :data:`FUNCTION`) in ``spark``; ``False`` where
+    the class is not on the session's classpath (no jar, or ``spark-submit`` without it)."""
     from py4j.protocol import Py4JJavaError  # type: ignore[import-untyped]  # noqa: PLC0415
     from pyspark.errors import PySparkException  # noqa: PLC0415
     from pyspark.sql import types as t  # noqa: PLC0415
 
     from pipeline.record_schemas import spark_schema  # noqa: PLC0415
 
-    if spark.catalog.functionExists(FUNCTION):
+    if spark.catalog.functionExists(function):
         return True
     fields = [f for f in spark_schema("markers").fields if f.name not in _POSITION_COLUMNS]
     try:
-        spark.udf.registerJavaFunction(FUNCTION, CLASS_NAME, t.ArrayType(t.StructType(fields)))
+        spark.udf.registerJavaFunction(function, class_name, t.ArrayType(t.StructType(fields)))
     except (Py4JJavaError, PySparkException):
         return False
     return True

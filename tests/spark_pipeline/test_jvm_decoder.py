@@ -77,6 +77,15 @@ def test_the_jvm_decoder_is_built_where_required(spark: SparkSession) -> None:
     assert (jvm_decoder.FUNCTION in plan) == jvm_decoder.register_decoder(spark)
 
 
+def test_a_session_without_the_class_falls_back_to_python(spark: SparkSession) -> None:
+    """Under spark-submit without --jars the class is missing: registering says so (no
+    exception), so decoding takes the Python path."""
+    assert not jvm_decoder.register_decoder(
+        spark, function="kmq_missing_rows", class_name="kmq.pipeline.NoSuchUdf"
+    )
+    assert not spark.catalog.functionExists("kmq_missing_rows")
+
+
 def _documented_vectors() -> list[bytes]:
     doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
     found = re.findall(r"<!-- vector:(\w+) -->\s*```\s*\n([0-9a-f ]+)\n```", doc)
