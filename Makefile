@@ -36,8 +36,12 @@ lint: install ## ruff (lint + format check), mypy (strict) and the layering cont
 browser: ## Install Chromium + chromedriver if missing (the console's browser tests need them)
 	@scripts/ensure-browser.sh
 
+.PHONY: jdk
+jdk: ## Install a JDK compiler if missing (the pipeline's JVM marker decoder is compiled with javac)
+	@scripts/ensure-jdk.sh
+
 .PHONY: test
-test: install postgres browser lint ## The one test command: lint, type checks, unit, integration and browser tests
+test: jdk install postgres browser lint ## The one test command: lint, type checks, unit, integration and browser tests
 	KMQ_REQUIRE_SPEEDUPS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 .PHONY: console-screenshots
