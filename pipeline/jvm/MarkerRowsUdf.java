@@ -82,6 +82,12 @@ public final class MarkerRowsUdf implements UDF1<byte[], List<Row>> {
   // One instance per task thread is not guaranteed, so the caches and the UTF-8 decoder are
   // per thread.
   private static final class State {
+    // What the parts shared by both versions leave behind (one value at a time per thread).
+    String topicName;
+    String groupName;
+    long timeoutMs;
+    String consumerName;
+
     final TextCache topic = new TextCache();
     final TextCache originTopic = new TextCache();
     final TextCache group = new TextCache();
@@ -214,6 +220,52 @@ public final class MarkerRowsUdf implements UDF1<byte[], List<Row>> {
     return cache != null && len <= 255 ? cache.put(v, from, len, decoded) : decoded;
   }
 
+  /**
+   * The topic (``topicLen`` bytes at ``head``) and the group after it, into ``state``; returns
+   * the position after the group. The same in both versions but for where the topic starts.
+   */
+  private static int names(State state, byte[] v, int head, int topicLen) throws Refused {
+    int pos = head + topicLen;
+    if (pos + 2 > v.length) {
+      throw new Refused("marker truncated in the topic");
+    }
+    state.topicName = topic(state.topic, v, head, topicLen);
+    int groupLen = rd16(v, pos);
+    int end = pos + 2 + groupLen;
+    if (end > v.length || groupLen == 0 || groupLen > MAX_GROUP) {
+      throw new Refused("group is empty, too long or truncated");
+    }
+    state.groupName = text(state, state.group, v, pos + 2, groupLen, "group");
+    return end;
+  }
+
+  /** A START's tail (``u32 timeout_ms``, string consumer) at ``pos``; returns the end. */
+  private static int startTail(State state, byte[] v, int pos, String kind) throws Refused {
+    if (pos + 6 > v.length) {
+      throw new Refused(kind + " marker truncated");
+    }
+    state.timeoutMs = rdU32(v, pos);
+    int n = rd16(v, pos + 4);
+    int end = pos + 6 + n;
+    if (n > MAX_CONSUMER || end > v.length) {
+      throw new Refused("consumer id too long or truncated");
+    }
+    state.consumerName = text(state, state.consumer, v, pos + 6, n, "consumer");
+    return end;
+  }
+
+  /** An EXTEND's tail (``u32 timeout_ms``, at least 1) at ``pos``; returns the end. */
+  private static int extendTail(State state, byte[] v, int pos, String kind) throws Refused {
+    if (pos + 4 > v.length) {
+      throw new Refused(kind + " marker truncated");
+    }
+    state.timeoutMs = rdU32(v, pos);
+    if (state.timeoutMs == 0) {
+      throw new Refused(kind + " must ask for a positive timeout");
+    }
+    return pos + 4;
+  }
+
   private static Row decodeV1(State state, byte[] v) throws Refused {
     int size = v.length;
     if (size < HEAD_SIZE + 3) {
@@ -247,18 +299,10 @@ public final class MarkerRowsUdf implements UDF1<byte[], List<Row>> {
     if (topicLen == 0 || topicLen > MAX_TOPIC) {
       throw new Refused("topic length " + topicLen + " is out of range");
     }
-    int pos = HEAD_SIZE + topicLen;
-    if (pos + 2 > size) {
-      throw new Refused("marker truncated in the topic");
-    }
-    String topic = topic(state.topic, v, HEAD_SIZE, topicLen);
-    int groupLen = rd16(v, pos);
-    int end = pos + 2 + groupLen;
-    if (end > size || groupLen == 0 || groupLen > MAX_GROUP) {
-      throw new Refused("group is empty, too long or truncated");
-    }
-    String group = text(state, state.group, v, pos + 2, groupLen, "group");
-    pos = end;
+    int pos = names(state, v, HEAD_SIZE, topicLen);
+    String topic = state.topicName;
+    String group = state.groupName;
+    int end;
 
     String originTopic = topic;
     int originPartition = partition;
@@ -304,17 +348,9 @@ public final class MarkerRowsUdf implements UDF1<byte[], List<Row>> {
       case 2: // ACK
         break;
       case 1: // START
-        if (pos + 6 > size) {
-          throw new Refused("START marker truncated");
-        }
-        timeoutMs = rdU32(v, pos);
-        n = rd16(v, pos + 4);
-        end = pos + 6 + n;
-        if (n > MAX_CONSUMER || end > size) {
-          throw new Refused("consumer id too long or truncated");
-        }
-        consumer = text(state, state.consumer, v, pos + 6, n, "consumer");
-        pos = end;
+        pos = startTail(state, v, pos, "START");
+        timeoutMs = state.timeoutMs;
+        consumer = state.consumerName;
         break;
       case 3: // DELAY
         if (pos + 10 > size) {
@@ -342,14 +378,8 @@ public final class MarkerRowsUdf implements UDF1<byte[], List<Row>> {
         pos = end;
         break;
       case 4: // EXTEND
-        if (pos + 4 > size) {
-          throw new Refused("EXTEND marker truncated");
-        }
-        timeoutMs = rdU32(v, pos);
-        if (timeoutMs == 0) {
-          throw new Refused("EXTEND must ask for a positive timeout");
-        }
-        pos += 4;
+        pos = extendTail(state, v, pos, "EXTEND");
+        timeoutMs = state.timeoutMs;
         break;
       default: // 5: REJECT
         if (pos + 2 > size) {
@@ -423,42 +453,19 @@ public final class MarkerRowsUdf implements UDF1<byte[], List<Row>> {
     if (topicLen == 0 || topicLen > MAX_TOPIC) {
       throw new Refused("topic length " + topicLen + " is out of range");
     }
-    int pos = V2_HEAD_SIZE + topicLen;
-    if (pos + 2 > size) {
-      throw new Refused("marker truncated in the topic");
-    }
-    String topic = topic(state.topic, v, V2_HEAD_SIZE, topicLen);
-    int groupLen = rd16(v, pos);
-    int end = pos + 2 + groupLen;
-    if (end > size || groupLen == 0 || groupLen > MAX_GROUP) {
-      throw new Refused("group is empty, too long or truncated");
-    }
-    String group = text(state, state.group, v, pos + 2, groupLen, "group");
-    pos = end;
+    int pos = names(state, v, V2_HEAD_SIZE, topicLen);
+    String topic = state.topicName;
+    String group = state.groupName;
 
     long timeoutMs = 0;
     String consumer = "";
     if (kind == 1) { // RANGE_START
-      if (pos + 6 > size) {
-        throw new Refused("RANGE_START marker truncated");
-      }
-      timeoutMs = rdU32(v, pos);
-      int n = rd16(v, pos + 4);
-      end = pos + 6 + n;
-      if (n > MAX_CONSUMER || end > size) {
-        throw new Refused("consumer id too long or truncated");
-      }
-      consumer = text(state, state.consumer, v, pos + 6, n, "consumer");
-      pos = end;
+      pos = startTail(state, v, pos, "RANGE_START");
+      timeoutMs = state.timeoutMs;
+      consumer = state.consumerName;
     } else if (kind == 4) { // RANGE_EXTEND
-      if (pos + 4 > size) {
-        throw new Refused("RANGE_EXTEND marker truncated");
-      }
-      timeoutMs = rdU32(v, pos);
-      if (timeoutMs == 0) {
-        throw new Refused("RANGE_EXTEND must ask for a positive timeout");
-      }
-      pos += 4;
+      pos = extendTail(state, v, pos, "RANGE_EXTEND");
+      timeoutMs = state.timeoutMs;
     }
 
     int w = (int) width;
