@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import struct
 import zipfile
 from datetime import UTC, datetime, timedelta
@@ -25,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability.markers_fuzz import GARBAGE, raw_marker
 from support.marker_strategies import markers, range_markers
+from support.protocol_vectors import documented_vectors
 
 from pipeline import jvm_decoder
 from pipeline.connector_frames import decode_markers_frame
@@ -86,13 +86,6 @@ def test_a_session_without_the_class_falls_back_to_python(spark: SparkSession) -
     assert not spark.catalog.functionExists("kmq_missing_rows")
 
 
-def _documented_vectors() -> list[bytes]:
-    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
-    found = re.findall(r"<!-- vector:(\w+) -->\s*```\s*\n([0-9a-f ]+)\n```", doc)
-    assert len(found) >= 8, "docs/protocol.md lost its test vectors"
-    return [bytes.fromhex(hexes.replace(" ", "")) for _, hexes in found]
-
-
 def _samples() -> list[bytes]:
     """Valid values of every shape: each v1 kind with and without an origin, UTF-8 text,
     and range markers with no exceptions, a bitmap and runs."""
@@ -121,7 +114,9 @@ def _samples() -> list[bytes]:
 
 
 def _corpus(rng: random.Random) -> list[bytes | None]:
-    values: list[bytes | None] = [*_documented_vectors(), *_samples()]
+    vectors = documented_vectors()
+    assert len(vectors) >= 8, "docs/protocol.md lost its test vectors"
+    values: list[bytes | None] = [*vectors.values(), *_samples()]
     for _ in range(20):  # every kind of garbage of the markers fuzz test, many times
         values += [make(rng, "orders") for make in GARBAGE.values()]
     for sample in _samples():

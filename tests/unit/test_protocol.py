@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.marker_strategies import markers
+from support.protocol_vectors import documented_vectors
 
 from tracker.errors import MarkerError
 from tracker.ids import MessageId
@@ -287,16 +288,11 @@ VECTORS = {
 }
 
 
-def _documented_vectors() -> dict[str, str]:
-    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
-    return dict(re.findall(r"<!-- vector:(\w+) -->\s*```\s*\n([0-9a-f ]+)\n```", doc))
-
-
 @pytest.mark.parametrize("name", sorted(VECTORS))
 def test_documented_vectors_match_the_code(name: str) -> None:
-    documented = _documented_vectors()
+    documented = documented_vectors()
     assert name in documented, f"docs/protocol.md lacks test vector {name}"
-    data = bytes.fromhex(documented[name].replace(" ", ""))
+    data = documented[name]
     assert encode_marker(VECTORS[name]) == data
     assert decode_marker(data) == VECTORS[name]
 

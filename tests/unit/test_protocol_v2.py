@@ -6,16 +6,15 @@ the tracker uses (``decode_marker``: the C decoder when built).
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.marker_strategies import range_markers
+from support.protocol_vectors import documented_vectors
 
 from tracker.errors import MarkerError
 from tracker.ids import MessageId
@@ -227,18 +226,12 @@ VECTORS = {
 }
 
 
-def _documented_vectors() -> dict[str, str]:
-    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
-    found = re.findall(r"<!-- vector:(\w+) -->\n```\n([0-9a-f ]+)\n```", doc)
-    return {name: hexes.replace(" ", "") for name, hexes in found}
-
-
 @DECODERS
 @pytest.mark.parametrize("name", sorted(VECTORS))
 def test_documented_v2_vectors_match_the_code(decode: Decoder, name: str) -> None:
-    documented = _documented_vectors()
+    documented = documented_vectors()
     assert name in documented, f"docs/protocol.md lacks test vector {name}"
-    value = bytes.fromhex(documented[name])
+    value = documented[name]
     assert encode_any(VECTORS[name]) == value
     assert decode(value) == VECTORS[name]
 
