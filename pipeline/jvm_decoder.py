@@ -48,6 +48,10 @@ class JvmDecoderBuildError(RuntimeError):
     """``javac`` refused the decoder's source (a Spark whose API moved, a broken JDK)."""
 
 
+class NoJavacError(JvmDecoderBuildError):
+    """No JDK compiler was found (a JRE only, or no Java at all)."""
+
+
 def find_javac() -> str | None:
     """The JDK's compiler: ``$JAVA_HOME/bin/javac``, else the one on the ``PATH``."""
     home = os.environ.get("JAVA_HOME")
@@ -103,23 +107,30 @@ def build_jar(javac: str, target: Path) -> Path:
     return target
 
 
-def decoder_jar() -> Path | None:
-    """The decoder's jar, built now if it is not cached yet; ``None`` without a JDK compiler
-    (or if the build fails, which is logged): markers are then decoded in Python."""
+def ensure_jar() -> Path:
+    """The decoder's jar, built now if it is not cached yet. Raises :class:`NoJavacError`
+    without a JDK compiler, :class:`JvmDecoderBuildError` if the compiler refuses."""
     target = jar_path()
     if target.is_file():
         return target
     javac = find_javac()
     if javac is None:
+        raise NoJavacError("no javac found (install a JDK, or set JAVA_HOME)")
+    return build_jar(javac, target)
+
+
+def decoder_jar() -> Path | None:
+    """:func:`ensure_jar`, or ``None`` (logged) when it cannot be built: markers are then
+    decoded in Python."""
+    try:
+        return ensure_jar()
+    except NoJavacError:
         # Only raw records read with Spark's connector decode in the JVM: no warning per run
         # for the many jobs that never do.
         log.info("no javac found: markers read as raw records decode in Python (slower)")
-        return None
-    try:
-        return build_jar(javac, target)
     except (JvmDecoderBuildError, OSError) as exc:
         log.warning("the JVM marker decoder was not built (%s): markers decode in Python", exc)
-        return None
+    return None
 
 
 def with_decoder_jar(jars: str, jar: Path) -> str:
@@ -162,18 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         help="exit 0 without a JDK compiler (the pipeline then decodes markers in Python)",
     )
     args = parser.parse_args(argv)
-    target = jar_path()
-    if not target.is_file():
-        javac = find_javac()
-        if javac is None:
-            print("no javac found (install a JDK, or set JAVA_HOME)", file=sys.stderr)
-            return 0 if args.if_possible else 1
-        try:
-            build_jar(javac, target)
-        except JvmDecoderBuildError as exc:
-            print(exc, file=sys.stderr)
-            return 1
-    print(target)
+    try:
+        print(ensure_jar())
+    except NoJavacError as exc:
+        print(exc, file=sys.stderr)
+        return 0 if args.if_possible else 1
+    except JvmDecoderBuildError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     return 0
 
 
