@@ -14,9 +14,10 @@ import sqlite3
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from support.counts import counters_and_recount
 from support.databases import sqlite_url
 from support.sql_stores import empty_sql_store
@@ -31,6 +32,7 @@ from support.store_steps import (
     key,
     msg,
     pending,
+    policy_for,
     start,
 )
 
@@ -39,6 +41,7 @@ from tracker.protocol import Marker
 from tracker.store import StoreUnavailable
 from tracker.store.admin_reads import DeadLetterFilter
 from tracker.store.dialects import driver_rows, keys_in
+from tracker.store.folded_writes import CHUNK_ROWS
 from tracker.store.inspection import EntryFilter, InspectionQueries
 from tracker.store.manager import Store, payload_wanted
 from tracker.store.migrate import upgrade
@@ -46,6 +49,7 @@ from tracker.store.operator_actions import OperatorActions
 from tracker.store.ownership import fence_touch
 from tracker.store.port import (
     DeadLetterRecord,
+    PartitionProgress,
 )
 from tracker.store.redrive_jobs import RedriveJobStore, RedriveSpec
 from tracker.store.tables import (
@@ -257,6 +261,84 @@ async def test_topic_counts_follow_ingest_claims_and_rounds(store: Store) -> Non
     kept, recount = await counters_and_recount(store.engine)
     assert kept == recount
     assert kept[0] == {(0, TOPIC, GROUP, "delayed"): 2, (1, "audit", GROUP, "lost"): 1}
+
+
+async def test_a_flush_of_many_write_chunks_is_written_whole_or_not_at_all(store: Store) -> None:
+    """A flush's rows go out in chunks while later lanes still fold (FoldedWrites): every
+    chunk lands, in one transaction with the offsets; a failure after some chunks went out
+    applies none of them."""
+    epochs = await claim(store, [0, 1])
+    lanes = 3
+    per_lane = CHUNK_ROWS // 2  # the 3 lanes of the second flush need at least 2 chunks
+    await apply(
+        store,
+        epochs,
+        [pending(Marker.start(GROUP, msg(o), timeout_ms=60_000), T0, o) for o in range(per_lane)],
+    )
+    # Deletes (acks), updates (the started messages delayed) and new rows, across lanes.
+    flush = [pending(Marker.ack(GROUP, msg(o)), T0 + 1, o) for o in range(per_lane // 2)]
+    flush += [
+        pending(Marker.delay(GROUP, msg(o), delay_ms=60_000), T0 + 1, o)
+        for o in range(per_lane // 2, per_lane)
+    ]
+    flush += [
+        pending(Marker.delay(GROUP, msg(o, partition=lane), delay_ms=60_000), T0 + 1, o, 1)
+        for lane in range(1, lanes)
+        for o in range(per_lane)
+    ]
+    next_offsets = {0: per_lane, 1: per_lane}
+    result = await store.apply(
+        MARKERS,
+        {p: PartitionProgress(e, next_offsets[p]) for p, e in epochs.items()},
+        flush,
+        policy_for,
+        T0 + 1,
+    )
+    assert not result.anomalies
+    async with store.engine.connect() as conn:
+        counted = await conn.execute(
+            select(tracked.c.state, func.count()).group_by(tracked.c.state)
+        )
+        states: dict[str, int] = {row[0]: row[1] for row in counted}
+    assert states == {"delayed": per_lane // 2 + (lanes - 1) * per_lane}
+    kept, recount = await counters_and_recount(store.engine)
+    assert kept == recount
+
+    async def snapshot() -> list[Any]:
+        async with store.engine.connect() as conn:
+            rows = list(await conn.execute(select(tracked).order_by(*KEY_COLUMNS)))
+            rows += list(await conn.execute(select(partitions_table)))
+        return rows
+
+    before = await snapshot()
+
+    def broken_policy(topic: str) -> Any:
+        if topic == "zz-last":
+            raise RuntimeError("no policy for zz-last")
+        return policy_for(topic)
+
+    # Lanes fold in key order: the "orders" lanes' new rows are sent (on PostgreSQL their
+    # upsert is still in flight) before the lane that fails folds.
+    failing = [
+        pending(
+            Marker.delay(GROUP, msg(per_lane + o, partition=lane), delay_ms=60_000),
+            T0 + 2,
+            per_lane + o,
+            1,
+        )
+        for lane in range(1, lanes)
+        for o in range(per_lane)
+    ]
+    failing.append(pending(Marker.start(GROUP, msg(0, topic="zz-last")), T0 + 2, per_lane * 3, 1))
+    with pytest.raises(RuntimeError, match="no policy"):
+        await store.apply(
+            MARKERS,
+            {1: PartitionProgress(epochs[1], per_lane * 3 + 1)},
+            failing,
+            broken_policy,
+            T0 + 2,
+        )
+    assert await snapshot() == before
 
 
 async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store: Store) -> None:

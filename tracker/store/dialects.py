@@ -253,39 +253,70 @@ async def upsert_rows(
     Values go to the driver as they are (no SQLAlchemy type processing): plain ``str``,
     ``int``, ``bool`` and ``None`` only.
     """
+    in_flight = await start_upsert(conn, table, columns, update, rows)
+    if in_flight is not None:
+        await in_flight
+
+
+async def start_upsert(
+    conn: AsyncConnection,
+    table: Table,
+    columns: Sequence[str],
+    update: Sequence[str],
+    rows: Sequence[tuple[Any, ...]],
+) -> asyncio.Task[Any] | None:
+    """:func:`upsert_rows`, returning while the database still applies the rows, if it can.
+
+    PostgreSQL, from :data:`COPY_UPSERT_ROWS` rows: the rows are staged by COPY and the
+    statement that applies them (the costly part: a heap row and every index's entry per
+    row) is *sent* when this returns; the returned task completes with it. The server works
+    on it in its own process while the caller goes on, e.g. folding the next markers of a
+    flush. Nothing may use ``conn`` until the task is awaited. Elsewhere the rows are
+    applied when this returns (``None``): SQLite's writes run on aiosqlite's thread, which
+    needs the interpreter lock for every row it binds and would wait behind the caller's
+    Python for each one.
+    """
     if not rows:
-        return
+        return None
     if conn.dialect.name == "sqlite":
         await conn.exec_driver_sql(upsert_sql(conn.dialect, table, columns, update), list(rows))
-        return
+        return None
     if len(rows) >= COPY_UPSERT_ROWS:
-        await _copy_upsert(conn, table, tuple(columns), tuple(update), rows)
-        return
+        await _copy_stage(conn, table, tuple(columns), rows)
+        statement = conn.exec_driver_sql(
+            _copy_insert_sql(conn.dialect, table, tuple(columns), tuple(update))
+        )
+        in_flight = asyncio.get_running_loop().create_task(statement, name="kmq-upsert")
+        # One turn of the loop: the task runs up to its first wait, the reply, so the
+        # statement is on its way to the server when the caller's next Python runs.
+        await asyncio.sleep(0)
+        return in_flight
     # PostgreSQL: one statement for all rows, the values as one array per column (one
     # round trip and one plan per flush instead of a pipelined bind per row).
     sql = _unnest_upsert_sql(conn.dialect, table, tuple(columns), tuple(update))
     await conn.exec_driver_sql(sql, tuple(list(values) for values in zip(*rows, strict=True)))
+    return None
 
 
-#: From this many rows on, PostgreSQL upserts go through COPY (see :func:`_copy_upsert`).
+#: From this many rows on, PostgreSQL upserts go through COPY (see :func:`_copy_stage`).
 COPY_UPSERT_ROWS = 200
 
 
-async def _copy_upsert(
+async def _copy_stage(
     conn: AsyncConnection,
     table: Table,
     columns: tuple[str, ...],
-    update: tuple[str, ...],
     rows: Sequence[tuple[Any, ...]],
 ) -> None:
-    """Upsert many rows on PostgreSQL: binary COPY into a temporary table, then one
-    ``INSERT .. SELECT .. ON CONFLICT``.
+    """Stage rows for an upsert on PostgreSQL: binary COPY into a temporary table, which
+    ``_copy_insert_sql`` then applies with one ``INSERT .. SELECT .. ON CONFLICT``.
 
     The array form (:func:`_unnest_upsert_sql`) has asyncpg encode every value through its
     generic array encoder, which checks each element's type against abstract base classes:
     half of a 5,000-row flush of per-message entries went there. COPY's binary encoder goes
     straight to each column's codec. The temporary table lives as long as the pooled
-    connection and is emptied at every commit.
+    connection; it is emptied here, not only at commit: a transaction that upserts twice
+    (in chunks) must not apply the first chunk's rows again with the second.
     """
     quote = conn.dialect.identifier_preparer.quote
     temp = quote(f"kmq_upsert_{table.name}")
@@ -293,11 +324,11 @@ async def _copy_upsert(
         f"CREATE TEMP TABLE IF NOT EXISTS {temp} (LIKE {quote(table.name)} INCLUDING DEFAULTS) "
         "ON COMMIT DELETE ROWS"
     )
+    await conn.exec_driver_sql(f"TRUNCATE {temp}")
     raw = await conn.get_raw_connection()
     await raw.driver_connection.copy_records_to_table(  # type: ignore[union-attr]
         f"kmq_upsert_{table.name}", records=rows, columns=list(columns)
     )
-    await conn.exec_driver_sql(_copy_insert_sql(conn.dialect, table, columns, update))
 
 
 @functools.lru_cache(maxsize=16)

@@ -4,17 +4,16 @@ lane, write what changed, in one fenced transaction.
 The fold itself is the domain's (``tracker.domain.ranges.fold_lane_changes``, shared with the
 in-memory store); this module is the SQL around it: which rows to read (entries by key and in
 the spans of range markers, tracked ranges overlapping any touched offset, both in a bounded
-walk of the primary key), and how to write the result (upserts and deletes in key order,
-many keys per statement).
+walk of the primary key). Writing the result is ``tracker.store.folded_writes``': chunk by
+chunk while later lanes fold, in key order, many keys per statement.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey, State
@@ -25,17 +24,14 @@ from tracker.protocol import RangeMarker
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .counts import CountChanges
-from .dialects import keys_in, upsert_rows
+from .dialects import keys_in
+from .folded_writes import FoldedWrites
 from .ownership import PartitionOwnership
 from .port import ApplyResult, PartitionProgress, PendingMarker
 from .store_errors import Fenced
 from .tables import (
     ENTRY_COLUMN_NAMES,
-    ENTRY_UPDATE_COLUMNS,
     KEY_COLUMNS,
-    RANGE_KEY_COLUMNS,
-    RANGE_UPDATE_COLUMNS,
-    ROW_KEY,
     chunks,
     entry_from_values,
     ranges_reaching,
@@ -135,69 +131,48 @@ class MarkerApply(PartitionOwnership):
             if not lanes:
                 return result
             entries, ranges = await self._load_lanes(conn, lanes)
-            upserts: list[tuple[Any, ...]] = []
-            deletes: list[EntryKey] = []
-            range_upserts: list[tuple[Any, ...]] = []
-            range_deletes: list[RangeKey] = []
+            writes = FoldedWrites(conn, self._key_chunk)
             counts = CountChanges()
             earliest: int | None = None
-            for lane, pendings in lanes.items():
-                changes = fold_lane_changes(
-                    entries.get(lane, {}),
-                    list(ranges.get(lane, {}).values()),
-                    pendings,
-                    policy_for,
-                )
-                result.anomalies += [(pendings[i], why) for i, why in changes.anomalies]
-                for before, entry in changes.entries_written:
-                    upserts.append(row_from_entry(entry))
-                    counts.change(before, entry)
-                for before in changes.entries_deleted:
-                    deletes.append(before.key)
-                    counts.change(before, None)
-                group, topic = lane[0], lane[1]
-                for old in changes.ranges_before:
-                    counts.add((old.markers_partition, topic, group, IN_FLIGHT), -old.open_count)
-                for new in changes.ranges_after:
-                    counts.add((new.markers_partition, topic, group, IN_FLIGHT), new.open_count)
-                range_upserts += [t.row() for t in changes.ranges_written]
-                range_deletes += changes.ranges_deleted
-                due = changes.earliest_due_ms
-                if due is not None and (earliest is None or due < earliest):
-                    earliest = due
+            try:
+                # In key order: the rows go out chunk by chunk as lanes fold (FoldedWrites).
+                for lane in sorted(lanes):
+                    pendings = lanes[lane]
+                    changes = fold_lane_changes(
+                        entries.get(lane, {}),
+                        list(ranges.get(lane, {}).values()),
+                        pendings,
+                        policy_for,
+                    )
+                    result.anomalies += [(pendings[i], why) for i, why in changes.anomalies]
+                    for before, entry in changes.entries_written:
+                        writes.upserts.append(row_from_entry(entry))
+                        counts.change(before, entry)
+                    for before in changes.entries_deleted:
+                        writes.deletes.append(before.key)
+                        counts.change(before, None)
+                    group, topic = lane[0], lane[1]
+                    for old in changes.ranges_before:
+                        counts.add(
+                            (old.markers_partition, topic, group, IN_FLIGHT), -old.open_count
+                        )
+                    for new in changes.ranges_after:
+                        counts.add((new.markers_partition, topic, group, IN_FLIGHT), new.open_count)
+                    writes.range_upserts += [t.row() for t in changes.ranges_written]
+                    writes.range_deletes += changes.ranges_deleted
+                    due = changes.earliest_due_ms
+                    if due is not None and (earliest is None or due < earliest):
+                        earliest = due
+                    await writes.lane_folded()
+                await writes.finish()
+            except BaseException:
+                await writes.abandon()
+                raise
             result.earliest_due_ms = earliest
-            await self._write_folded(conn, upserts, deletes, range_upserts, range_deletes)
             await counts.write(conn, tracked_counts)
-            result.upserted = len(upserts) + len(range_upserts)
-            result.deleted = len(deletes) + len(range_deletes)
+            result.upserted = writes.upserted
+            result.deleted = writes.deleted
         return result
-
-    async def _write_folded(
-        self,
-        conn: AsyncConnection,
-        upserts: list[tuple[Any, ...]],
-        deletes: list[EntryKey],
-        range_upserts: list[tuple[Any, ...]],
-        range_deletes: list[RangeKey],
-    ) -> None:
-        """Write what a fold changed: entries, then ranges."""
-        # Rows are written in key order, as finish_redelivery does: two transactions that
-        # lock the same rows in the same order cannot deadlock (PostgreSQL).
-        if upserts:
-            upserts.sort(key=ROW_KEY)
-            await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, upserts)
-        # Many keys per statement (one round trip per chunk), not one statement per key.
-        for chunk in chunks(sorted(deletes), self._key_chunk):
-            await conn.execute(delete(tracked).where(keys_in(self.engine, KEY_COLUMNS, chunk)))
-        for range_chunk in chunks(sorted(range_deletes), self._key_chunk):
-            await conn.execute(
-                delete(ranges_table).where(keys_in(self.engine, RANGE_KEY_COLUMNS, range_chunk))
-            )
-        if range_upserts:
-            range_upserts.sort(key=ROW_KEY)
-            await upsert_rows(
-                conn, ranges_table, RANGE_COLUMN_NAMES, RANGE_UPDATE_COLUMNS, range_upserts
-            )
 
     async def _load_lanes(
         self, conn: AsyncConnection, lanes: dict[LaneKey, list[PendingMarker]]
