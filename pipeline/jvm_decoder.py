@@ -20,6 +20,7 @@ decoded in Python as before: same rows, slower.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
@@ -27,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,7 +74,10 @@ def jar_path() -> Path:
 
     digest = hashlib.sha256(SOURCE.read_bytes() + pyspark.__version__.encode()).hexdigest()
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kmq-tracker" / "jvm")
-    return cache / f"kmq-marker-rows-{digest[:16]}.jar"
+    return cache / f"{_JAR_PREFIX}{digest[:16]}.jar"
+
+
+_JAR_PREFIX = "kmq-marker-rows-"
 
 
 def build_jar(javac: str, target: Path) -> Path:
@@ -109,14 +114,51 @@ def build_jar(javac: str, target: Path) -> Path:
 
 def ensure_jar() -> Path:
     """The decoder's jar, built now if it is not cached yet. Raises :class:`NoJavacError`
-    without a JDK compiler, :class:`JvmDecoderBuildError` if the compiler refuses."""
+    without a JDK compiler, :class:`JvmDecoderBuildError` if the compiler refuses.
+
+    A jar found is marked as used (its modification time); a build then removes the jars
+    of the cache not used for :data:`UNUSED_DAYS` (:func:`prune_cache`).
+    """
     target = jar_path()
     if target.is_file():
+        with contextlib.suppress(OSError):  # a read-only cache still serves its jars
+            os.utime(target)
         return target
     javac = find_javac()
     if javac is None:
         raise NoJavacError("no javac found (install a JDK, or set JAVA_HOME)")
-    return build_jar(javac, target)
+    built = build_jar(javac, target)
+    prune_cache(built.parent, keep=built)
+    return built
+
+
+#: A cached jar not used for this long is removed by the next build (see :func:`prune_cache`).
+UNUSED_DAYS = 30
+
+
+def prune_cache(cache: Path, *, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove the decoder jars of ``cache`` (and partial builds) not used for
+    :data:`UNUSED_DAYS`, except ``keep``; returns what was removed.
+
+    Each new source or Spark version builds a jar of its own, and the old ones were never
+    removed. Not every other jar can go: several installations (other virtualenvs, other
+    Spark versions) may share the cache, and a running job's executors may still fetch the
+    jar it started with. Every session marks the jar it uses (:func:`ensure_jar`), so a jar
+    left alone for a month belongs to no installation still in use; if it does, it is built
+    again when needed.
+    """
+    cutoff = (time.time() if now is None else now) - UNUSED_DAYS * 86_400
+    removed: list[Path] = []
+    for path in cache.glob(f"{_JAR_PREFIX}*"):
+        if path == keep or path.suffix not in (".jar", ".part"):
+            continue
+        with contextlib.suppress(OSError):  # gone already, or not ours to remove
+            if path.stat().st_mtime < cutoff:
+                path.unlink()
+                removed.append(path)
+    if removed:
+        log.info("removed %d unused decoder jar(s) from %s", len(removed), cache)
+    return removed
 
 
 def decoder_jar() -> Path | None:

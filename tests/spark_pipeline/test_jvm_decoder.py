@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 import struct
+import time
 import zipfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -252,6 +253,39 @@ def test_a_failed_compile_is_reported_with_the_compiler_output(
     assert jvm_decoder.decoder_jar() is None  # logged; the pipeline decodes in Python
     with pytest.raises(jvm_decoder.JvmDecoderBuildError, match="javac failed"):
         jvm_decoder.build_jar(str(javac), tmp_path / "x.jar")
+
+
+def test_a_build_removes_cached_jars_unused_for_a_month_and_use_marks_a_jar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(jvm_decoder.CACHE_ENV, str(tmp_path))
+    month_ago = time.time() - (jvm_decoder.UNUSED_DAYS + 1) * 86_400
+    week_ago = time.time() - 7 * 86_400
+    stale = tmp_path / "kmq-marker-rows-00000000000000aa.jar"
+    stale_partial = tmp_path / "kmq-marker-rows-00000000000000bb.jar.123.part"
+    in_use = tmp_path / "kmq-marker-rows-00000000000000cc.jar"  # another installation's
+    not_ours = tmp_path / "notes.txt"
+    for path, when in ((stale, month_ago), (stale_partial, month_ago), (in_use, week_ago)):
+        path.write_bytes(b"jar")
+        os.utime(path, (when, when))
+    not_ours.write_text("kept")
+    os.utime(not_ours, (month_ago, month_ago))
+
+    def fake_build(javac: str, target: Path) -> Path:
+        target.write_bytes(b"built")
+        return target
+
+    monkeypatch.setattr(jvm_decoder, "find_javac", lambda: "/usr/bin/javac")
+    monkeypatch.setattr(jvm_decoder, "build_jar", fake_build)
+    jar = jvm_decoder.ensure_jar()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [jar.name, in_use.name, not_ours.name]
+    )
+    # A cached jar is marked as used each time a session takes it, so it is never stale
+    # while some installation still uses it.
+    os.utime(jar, (month_ago, month_ago))
+    assert jvm_decoder.ensure_jar() == jar
+    assert jar.stat().st_mtime > week_ago
 
 
 def test_the_jar_joins_the_jars_a_session_already_asks_for() -> None:
