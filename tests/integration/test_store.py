@@ -37,10 +37,11 @@ from support.store_steps import (
 )
 
 from tracker.domain.actions import ActionKind, ActionRequest
+from tracker.domain.entries import Entry, State
 from tracker.protocol import Marker
 from tracker.store import StoreUnavailable
 from tracker.store.admin_reads import DeadLetterFilter
-from tracker.store.dialects import driver_rows, keys_in
+from tracker.store.dialects import COPY_UPSERT_ROWS, driver_rows, keys_in, start_upsert
 from tracker.store.folded_writes import CHUNK_ROWS
 from tracker.store.inspection import EntryFilter, InspectionQueries
 from tracker.store.manager import Store, payload_wanted
@@ -53,8 +54,11 @@ from tracker.store.port import (
 )
 from tracker.store.redrive_jobs import RedriveJobStore, RedriveSpec
 from tracker.store.tables import (
+    ENTRY_COLUMN_NAMES,
+    ENTRY_UPDATE_COLUMNS,
     KEY_COLUMNS,
     partitions_table,
+    row_from_entry,
     tracked,
     tracked_counts,
 )
@@ -339,6 +343,37 @@ async def test_a_flush_of_many_write_chunks_is_written_whole_or_not_at_all(store
             T0 + 2,
         )
     assert await snapshot() == before
+
+
+async def test_an_upsert_cancelled_as_it_is_sent_ends_before_the_rollback(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL's upsert returns with its statement in flight (start_upsert); cancelled in
+    the one loop turn that sends it, it waits for the statement, so the transaction rolls
+    back cleanly instead of failing on a busy connection."""
+    rows = [
+        row_from_entry(Entry(GROUP, TOPIC, 0, o, 0, State.DELAYED, 1, TOPIC, 0, o, T0, T0, T0))
+        for o in range(COPY_UPSERT_ROWS)
+    ]
+    real_sleep = asyncio.sleep
+    cancelled: list[float] = []
+
+    async def cancelled_once(delay: float, *args: Any) -> Any:
+        if delay == 0 and not cancelled:
+            cancelled.append(delay)
+            await real_sleep(0)  # the turn: the statement goes out
+            raise asyncio.CancelledError  # and the caller is cancelled in it
+        return await real_sleep(delay, *args)
+
+    async with empty_sql_store(postgres_url) as store:
+        monkeypatch.setattr(asyncio, "sleep", cancelled_once)  # start_upsert's one turn
+        with pytest.raises(asyncio.CancelledError):
+            async with store.transaction() as conn:
+                await start_upsert(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, rows)
+        monkeypatch.undo()
+        assert cancelled
+        async with store.engine.connect() as conn:
+            assert (await conn.execute(select(func.count()).select_from(tracked))).scalar() == 0
 
 
 async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store: Store) -> None:

@@ -287,9 +287,17 @@ async def start_upsert(
             _copy_insert_sql(conn.dialect, table, tuple(columns), tuple(update))
         )
         in_flight = asyncio.get_running_loop().create_task(statement, name="kmq-upsert")
-        # One turn of the loop: the task runs up to its first wait, the reply, so the
-        # statement is on its way to the server when the caller's next Python runs.
-        await asyncio.sleep(0)
+        try:
+            # One turn of the loop: the task runs up to its first wait, the reply, so the
+            # statement is on its way to the server when the caller's next Python runs.
+            await asyncio.sleep(0)
+        except BaseException:
+            # Cancelled before the caller holds the task: the statement must end before
+            # the transaction's rollback may use the connection.
+            await asyncio.wait([in_flight])
+            if not in_flight.cancelled():
+                in_flight.exception()
+            raise
         return in_flight
     # PostgreSQL: one statement for all rows, the values as one array per column (one
     # round trip and one plan per flush instead of a pipelined bind per row).
