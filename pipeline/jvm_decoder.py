@@ -136,7 +136,7 @@ def ensure_jar() -> Path:
 UNUSED_DAYS = 30
 
 
-def prune_cache(cache: Path, *, keep: Path, now: float | None = None) -> list[Path]:
+def prune_cache(cache: Path, *, keep: Path) -> list[Path]:
     """Remove the decoder jars of ``cache`` (and partial builds) not used for
     :data:`UNUSED_DAYS`, except ``keep``; returns what was removed.
 
@@ -147,7 +147,7 @@ def prune_cache(cache: Path, *, keep: Path, now: float | None = None) -> list[Pa
     left alone for a month belongs to no installation still in use; if it does, it is built
     again when needed.
     """
-    cutoff = (time.time() if now is None else now) - UNUSED_DAYS * 86_400
+    cutoff = time.time() - UNUSED_DAYS * 86_400
     removed: list[Path] = []
     for path in cache.glob(f"{_JAR_PREFIX}*"):
         if path == keep or path.suffix not in (".jar", ".part"):

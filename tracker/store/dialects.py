@@ -294,9 +294,7 @@ async def start_upsert(
         except BaseException:
             # Cancelled before the caller holds the task: the statement must end before
             # the transaction's rollback may use the connection.
-            await asyncio.wait([in_flight])
-            if not in_flight.cancelled():
-                in_flight.exception()
+            await outlive_statement(in_flight)
             raise
         return in_flight
     # PostgreSQL: one statement for all rows, the values as one array per column (one
@@ -304,6 +302,16 @@ async def start_upsert(
     sql = _unnest_upsert_sql(conn.dialect, table, tuple(columns), tuple(update))
     await conn.exec_driver_sql(sql, tuple(list(values) for values in zip(*rows, strict=True)))
     return None
+
+
+async def outlive_statement(in_flight: asyncio.Task[Any]) -> None:
+    """Wait for a statement :func:`start_upsert` left in flight, after the caller failed:
+    its outcome no longer matters (the transaction rolls back), only that the connection is
+    free for the rollback. Its error, if any, is retrieved and dropped; the caller's is the
+    one to raise."""
+    await asyncio.wait([in_flight])
+    if not in_flight.cancelled():
+        in_flight.exception()
 
 
 #: From this many rows on, PostgreSQL upserts go through COPY (see :func:`_copy_stage`).

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from tracker.domain.entries import EntryKey
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, RangeKey
 
-from .dialects import keys_in, start_upsert, upsert_rows
+from .dialects import keys_in, outlive_statement, start_upsert, upsert_rows
 from .tables import (
     ENTRY_COLUMN_NAMES,
     ENTRY_UPDATE_COLUMNS,
@@ -82,9 +82,7 @@ class FoldedWrites:
         free."""
         task, self._in_flight = self._in_flight, None
         if task is not None:
-            await asyncio.wait([task])
-            if not task.cancelled():
-                task.exception()  # retrieved: the error that matters is the caller's
+            await outlive_statement(task)
 
     async def _settled(self) -> None:
         task, self._in_flight = self._in_flight, None
