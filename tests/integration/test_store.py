@@ -41,7 +41,13 @@ from tracker.domain.entries import Entry, State
 from tracker.protocol import Marker
 from tracker.store import StoreUnavailable
 from tracker.store.admin_reads import DeadLetterFilter
-from tracker.store.dialects import COPY_UPSERT_ROWS, driver_rows, keys_in, start_upsert
+from tracker.store.dialects import (
+    COPY_UPSERT_ROWS,
+    driver_rows,
+    keys_in,
+    start_upsert,
+    upsert_rows,
+)
 from tracker.store.folded_writes import CHUNK_ROWS
 from tracker.store.inspection import EntryFilter, InspectionQueries
 from tracker.store.manager import Store, payload_wanted
@@ -374,6 +380,35 @@ async def test_an_upsert_cancelled_as_it_is_sent_ends_before_the_rollback(
         assert cancelled
         async with store.engine.connect() as conn:
             assert (await conn.execute(select(func.count()).select_from(tracked))).scalar() == 0
+
+
+async def test_a_second_upsert_in_a_transaction_does_not_apply_the_first_one_again(
+    store: Store,
+) -> None:
+    """Chunked upserts share PostgreSQL's COPY staging table within a transaction: each must
+    apply its own rows only, or rows changed between two chunks are written back as they
+    were."""
+
+    def rows(first: int) -> list[tuple[Any, ...]]:
+        return [
+            row_from_entry(Entry(GROUP, TOPIC, 0, o, 0, State.DELAYED, 1, TOPIC, 0, o, T0, T0, T0))
+            for o in range(first, first + COPY_UPSERT_ROWS)
+        ]
+
+    async with store.transaction() as conn:
+        await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, rows(0))
+        await conn.execute(update(tracked).values(state=State.LOST.value, due_at_ms=None))
+        await upsert_rows(
+            conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, rows(COPY_UPSERT_ROWS)
+        )
+    async with store.engine.connect() as conn:
+        counted = await conn.execute(
+            select(tracked.c.state, func.count()).group_by(tracked.c.state)
+        )
+        states: dict[str, int] = {row[0]: row[1] for row in counted}
+    assert states == {State.LOST.value: COPY_UPSERT_ROWS, State.DELAYED.value: COPY_UPSERT_ROWS}
+    async with store.transaction() as conn:  # written around the counters: gone again
+        await conn.execute(delete(tracked))
 
 
 async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store: Store) -> None:
