@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from tracker.domain.value_records import value_record
 from tracker.errors import InvalidHeader
 from tracker.headers import KmqHeaders
 from tracker.ids import MessageId
@@ -41,7 +42,7 @@ class Action(enum.Enum):
     SKIP = "skip"
 
 
-@dataclass(frozen=True, slots=True)
+@value_record
 class Planned:
     """One record and what the client does with it."""
 

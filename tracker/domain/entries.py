@@ -9,9 +9,10 @@ in memory to coalesce markers (a START and its ACK fold into "no entry").
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tracker.domain.policy import PolicyLookup
+from tracker.domain.value_records import value_record
 from tracker.protocol import Marker, MarkerKind
 
 EntryKey = tuple[str, str, int, int]  # group, origin topic, origin partition, origin offset
@@ -30,7 +31,7 @@ OPERATOR_PREFIX = "dead-lettered by "
 ACTIVE_STATES = (State.IN_FLIGHT, State.DELAYED, State.REJECTED)
 
 
-@dataclass(slots=True, frozen=True)
+@value_record
 class Entry:
     """The tracker's state about one logical message for one consumer group."""
 
@@ -168,7 +169,7 @@ class Decision(enum.Enum):
     DEAD_LETTER = "dead_letter"
 
 
-@dataclass(frozen=True, slots=True)
+@value_record
 class Plan:
     """What the redelivery loop does with one due entry."""
 

@@ -32,6 +32,7 @@ from typing import Protocol, cast
 from tracker.domain.entries import Entry, apply_marker
 from tracker.domain.policy import PolicyLookup
 from tracker.domain.tracked_range import LaneKey, RangeKey, TrackedRange
+from tracker.domain.value_records import value_record
 from tracker.ids import MessageId
 from tracker.protocol import AnyMarker, Marker, MarkerKind
 from tracker.protocol_v2 import MAX_RANGE_WIDTH, RangeKind, RangeMarker
@@ -54,7 +55,7 @@ class FoldInput(Protocol):
     def markers_partition(self) -> int: ...
 
 
-@dataclass(frozen=True, slots=True)
+@value_record
 class LaneMarker:
     """A marker of one lane with what the fold needs (a :class:`FoldInput` of its own)."""
 

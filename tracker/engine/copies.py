@@ -22,6 +22,8 @@ from typing import Any
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner
 
+from tracker.domain.value_records import value_record
+
 _partitioner = DefaultPartitioner()
 
 
@@ -34,7 +36,7 @@ class _Batch:
     outcome: Any = None  #: the batch's RecordMetadata or exception, once sent
 
 
-@dataclass(frozen=True, slots=True)
+@value_record
 class Produced:
     """Where a record went."""
 

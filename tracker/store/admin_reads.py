@@ -27,6 +27,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.entries import Entry, EntryKey
+from tracker.domain.value_records import value_record
 
 from .database import ReadWork
 from .manager import Store
@@ -45,7 +46,7 @@ ENTRY_VIEW_COLUMNS = (*(tracked.c[name] for name in ENTRY_COLUMN_NAMES), tracked
 CHUNK = 500
 
 
-@dataclass(frozen=True, slots=True)
+@value_record
 class EntryView:
     """A tracked entry and whether the store holds a copy of its payload."""
 

@@ -17,6 +17,7 @@ from sqlalchemy import (
 
 from tracker.domain.entries import EntryKey, State
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, TrackedRange
+from tracker.domain.value_records import value_record
 from tracker.protocol_v2 import MAX_RANGE_WIDTH
 
 from .admin_reads import (
@@ -60,7 +61,7 @@ class EntryFilter:
     seen_before_ms: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@value_record
 class MessageRecord:
     """What the store knows of one message (``InspectionQueries.message_record``)."""
 

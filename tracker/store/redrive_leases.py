@@ -19,6 +19,7 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from tracker.domain.jobs import ItemState, JobState
+from tracker.domain.value_records import value_record
 
 from .admin_reads import (
     CHUNK,
@@ -56,7 +57,7 @@ class RedriveWork:
     dlq_offset: int
 
 
-@dataclass(frozen=True, slots=True)
+@value_record
 class ProducedItem:
     dead_letter_id: int
     topic: str
