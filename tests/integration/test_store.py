@@ -411,6 +411,94 @@ async def test_a_second_upsert_in_a_transaction_does_not_apply_the_first_one_aga
         await conn.execute(delete(tracked))
 
 
+def _varied_rows(count: int, attempt: int = 1) -> list[tuple[Any, ...]]:
+    """Entry rows whose text, null and boolean columns vary (what a driver must carry as
+    they are)."""
+    texts = ["", "plain", "quote ' and \" and \\", "tab\tand\nnewline", "é 中文 😀", "x" * 3000]
+    return [
+        row_from_entry(
+            Entry(
+                GROUP,
+                TOPIC,
+                o % 3,
+                o,
+                o % 8,
+                State.DELAYED if o % 2 else State.IN_FLIGHT,
+                attempt,
+                TOPIC,
+                o % 3,
+                o + 10**12,
+                None if o % 7 == 0 else T0 + o,
+                T0,
+                T0 + attempt,
+                deferred=o % 5 == 0,
+                consumer=texts[o % len(texts)][:255],
+                reason=texts[(o + attempt) % len(texts)],
+                keep_payload=o % 4 == 0,
+                claim_token=None if o % 3 else f"token-{o}",
+            )
+        )
+        for o in range(count)
+    ]
+
+
+@pytest.mark.parametrize("count", [1, 3, 255, 256, 1023, 1024, 1025, 2600])
+async def test_an_upsert_writes_exactly_its_rows_whatever_their_number(
+    store: Store, count: int
+) -> None:
+    """Rows go to the database in statements of several sizes (SQLite: multi-row statements
+    of up to 1,024 rows, one of them left in flight; PostgreSQL: arrays or COPY): whatever
+    the count, every row is inserted, then updated, with its values as they were."""
+    columns = ", ".join(ENTRY_COLUMN_NAMES)
+    order = "origin_topic, origin_partition, origin_offset"
+
+    async def stored() -> list[tuple[Any, ...]]:
+        async with store.engine.connect() as conn:
+            found = await conn.exec_driver_sql(
+                f"SELECT {columns} FROM tracked_messages ORDER BY {order}"  # noqa: S608
+            )
+            return [
+                tuple(bool(v) if i in (13, 16) else v for i, v in enumerate(row)) for row in found
+            ]
+
+    def expected(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return sorted(rows, key=lambda row: (row[1], row[2], row[3]))
+
+    first = _varied_rows(count)
+    async with store.transaction() as conn:
+        await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, first)
+    assert await stored() == expected(first)
+    later = _varied_rows(count, attempt=2)
+    async with store.transaction() as conn:
+        await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, later)
+    assert await stored() == expected(later)
+    async with store.transaction() as conn:  # written around the counters: gone again
+        await conn.execute(delete(tracked))
+
+
+@pytest.mark.parametrize("count", [3, 256])
+async def test_a_refused_upsert_fails_its_transaction_and_writes_nothing(
+    store: Store, count: int
+) -> None:
+    """A row the database refuses (a NULL state) fails the upsert, inline or in flight, as
+    the store's own error, and nothing of the transaction is written."""
+    rows = _varied_rows(count)
+    rows[-1] = (*rows[-1][:5], None, *rows[-1][6:])
+
+    async def write() -> None:
+        async with store.transaction() as conn:
+            await conn.execute(delete(partitions_table))
+            await upsert_rows(conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, rows)
+
+    await claim(store)
+    with pytest.raises(StoreUnavailable):
+        await write()
+    async with store.engine.connect() as conn:
+        assert (await conn.execute(select(func.count()).select_from(partitions_table))).scalar()
+    async with store.engine.connect() as conn:
+        assert (await conn.execute(select(func.count()).select_from(tracked))).scalar() == 0
+
+
 async def test_the_next_delayed_message_of_a_topic_behind_many_of_another(store: Store) -> None:
     """The next-due probe walks the due index past other topics' delayed entries."""
     queries = InspectionQueries(store, MARKERS)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import asyncpg
@@ -205,36 +206,24 @@ async def lock_rows_in_order(conn: AsyncConnection, query: Select[Any], order: A
     await conn.execute(query.order_by(order).with_for_update())
 
 
-def upsert_sql(
-    dialect: Dialect, table: Table, columns: Sequence[str], update: Sequence[str]
-) -> str:
-    """``INSERT (columns) VALUES (...) ON CONFLICT (primary key) DO UPDATE SET <update>``, as
-    the driver's SQL, with one positional parameter per column in ``columns`` order.
-
-    Ingest writes thousands of rows per flush. Through SQLAlchemy every row was a dict
-    and every batch a freshly rendered multi-row statement (a third of a flush's CPU in the
-    unacked profile); :func:`upsert_rows` hands the driver one prepared statement and plain
-    tuples instead (``executemany``: sqlite3's loop in C, asyncpg's pipelined binds).
-    """
-    return _upsert_sql(dialect, table, tuple(columns), tuple(update))
-
-
 @functools.lru_cache(maxsize=16)
 def _upsert_sql(
     dialect: Dialect, table: Table, columns: tuple[str, ...], update: tuple[str, ...]
 ) -> str:
+    """``INSERT (columns) VALUES (...) ON CONFLICT (primary key) DO UPDATE SET <update>``, as
+    SQLite's SQL, with one positional parameter per column in ``columns`` order.
+
+    Ingest writes thousands of rows per flush: through SQLAlchemy every row was a dict and
+    every batch a freshly rendered statement (a third of a flush's CPU in the unacked
+    profile), so the driver gets this text (with as many rows after ``VALUES`` as it
+    carries, :func:`_sqlite_values_upsert_sql`) and plain tuples.
+    """
     keys = [c.name for c in table.primary_key.columns]
     values: dict[str, Any] = {c: bindparam(c) for c in columns}
-    if dialect.name == "sqlite":
-        sqlite_stmt = sqlite_insert(table).values(values)
-        stmt: Insert = sqlite_stmt.on_conflict_do_update(
-            index_elements=keys, set_={c: sqlite_stmt.excluded[c] for c in update}
-        )
-    else:
-        pg_stmt = pg_insert(table).values(values)
-        stmt = pg_stmt.on_conflict_do_update(
-            index_elements=keys, set_={c: pg_stmt.excluded[c] for c in update}
-        )
+    sqlite_stmt = sqlite_insert(table).values(values)
+    stmt: Insert = sqlite_stmt.on_conflict_do_update(
+        index_elements=keys, set_={c: sqlite_stmt.excluded[c] for c in update}
+    )
     compiled = stmt.compile(dialect=dialect)
     if tuple(compiled.positiontup or ()) != columns:
         raise AssertionError(f"unexpected parameter order {compiled.positiontup}")
@@ -267,41 +256,134 @@ async def start_upsert(
 ) -> asyncio.Task[Any] | None:
     """:func:`upsert_rows`, returning while the database still applies the rows, if it can.
 
-    PostgreSQL, from :data:`COPY_UPSERT_ROWS` rows: the rows are staged by COPY and the
-    statement that applies them (the costly part: a heap row and every index's entry per
-    row) is *sent* when this returns; the returned task completes with it. The server works
-    on it in its own process while the caller goes on, e.g. folding the next markers of a
-    flush. Nothing may use ``conn`` until the task is awaited. Elsewhere the rows are
-    applied when this returns (``None``): SQLite's writes run on aiosqlite's thread, which
-    needs the interpreter lock for every row it binds and would wait behind the caller's
-    Python for each one.
+    The returned task completes with the statement; nothing may use ``conn`` until it is
+    awaited. The database works on the rows while the caller goes on, e.g. folding the next
+    markers of a flush. ``None``: the rows are applied when this returns.
+
+    * PostgreSQL, from :data:`COPY_UPSERT_ROWS` rows: the rows are staged by COPY and the
+      statement that applies them (the costly part: a heap row and every index's entry per
+      row) is in flight in the server's process.
+    * SQLite: rows go in multi-row statements (:func:`_sqlite_upsert`); an upsert that fits
+      one statement, from :data:`SQLITE_IN_FLIGHT_ROWS` rows, is in flight on aiosqlite's
+      thread, which runs SQLite's b-tree work without the interpreter lock.
     """
     if not rows:
         return None
     if conn.dialect.name == "sqlite":
-        await conn.exec_driver_sql(upsert_sql(conn.dialect, table, columns, update), list(rows))
-        return None
+        return await _sqlite_upsert(conn, table, tuple(columns), tuple(update), rows)
     if len(rows) >= COPY_UPSERT_ROWS:
         await _copy_stage(conn, table, tuple(columns), rows)
         statement = conn.exec_driver_sql(
             _copy_insert_sql(conn.dialect, table, tuple(columns), tuple(update))
         )
-        in_flight = asyncio.get_running_loop().create_task(statement, name="kmq-upsert")
-        try:
-            # One turn of the loop: the task runs up to its first wait, the reply, so the
-            # statement is on its way to the server when the caller's next Python runs.
-            await asyncio.sleep(0)
-        except BaseException:
-            # Cancelled before the caller holds the task: the statement must end before
-            # the transaction's rollback may use the connection.
-            await outlive_statement(in_flight)
-            raise
-        return in_flight
+        return await _sent(statement)
     # PostgreSQL: one statement for all rows, the values as one array per column (one
     # round trip and one plan per flush instead of a pipelined bind per row).
     sql = _unnest_upsert_sql(conn.dialect, table, tuple(columns), tuple(update))
     await conn.exec_driver_sql(sql, tuple(list(values) for values in zip(*rows, strict=True)))
     return None
+
+
+async def _sent(statement: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    """``statement`` as a task, once it is on its way to the database."""
+    in_flight = asyncio.get_running_loop().create_task(statement, name="kmq-upsert")
+    try:
+        # One turn of the loop: the task runs up to its first wait, the reply, so the
+        # statement is on its way when the caller's next Python runs.
+        await asyncio.sleep(0)
+    except BaseException:
+        # Cancelled before the caller holds the task: the statement must end before the
+        # transaction's rollback may use the connection.
+        await outlive_statement(in_flight)
+        raise
+    return in_flight
+
+
+#: SQLite's limit on a statement's parameters (``SQLITE_MAX_VARIABLE_NUMBER``, 32,766 since
+#: SQLite 3.32).
+SQLITE_MAX_PARAMETERS = 32_766
+#: From this many rows on, a SQLite upsert that fits one statement is left in flight.
+SQLITE_IN_FLIGHT_ROWS = 256
+
+
+def sqlite_statement_rows(columns: int) -> int:
+    """The most rows of ``columns`` values one SQLite upsert statement takes: the largest
+    power of two within :data:`SQLITE_MAX_PARAMETERS` (1,024 rows of an entry's 18 columns)."""
+    fits = max(1, SQLITE_MAX_PARAMETERS // max(1, columns))
+    return 1 << (fits.bit_length() - 1)
+
+
+def sqlite_row_groups(rows: int, most: int) -> list[int]:
+    """Statement sizes for ``rows`` rows: ``most`` while that many are left, then powers of
+    two, largest first (so a table has a dozen statement texts at most, each prepared once
+    by the driver's statement cache)."""
+    groups = [most] * (rows // most)
+    rest = rows % most
+    while rest:
+        size = 1 << (rest.bit_length() - 1)
+        groups.append(size)
+        rest -= size
+    return groups
+
+
+async def _sqlite_upsert(
+    conn: AsyncConnection,
+    table: Table,
+    columns: tuple[str, ...],
+    update: tuple[str, ...],
+    rows: Sequence[tuple[Any, ...]],
+) -> asyncio.Task[Any] | None:
+    """SQLite's side of :func:`start_upsert`: ``INSERT .. VALUES (..), (..), ..`` with up to
+    :func:`sqlite_statement_rows` rows per statement, not ``executemany``.
+
+    ``executemany`` binds each row's values while holding the interpreter lock, then lets it
+    go while SQLite steps, then takes it again: once per row. Run while the event loop's
+    thread folds markers, every row waited for that thread to let the lock go (up to the
+    5 ms switch interval), so SQLite's writes had to run inline, the loop waiting. A
+    multi-row statement binds its values in one pass and steps once, lock released, for all
+    its rows: 25-28 against 31-32 us per row of an entry alone, and it keeps that pace next
+    to a busy loop (31-32 us), which keeps 65-78 % of its own pace (2026-12-02).
+
+    The statement in flight runs on the driver's connection itself (one hop to aiosqlite's
+    thread; SQLAlchemy's adapter makes a cursor first, a hop of its own), so its errors
+    are translated here, as :func:`driver_rows` does.
+    """
+    dialect = conn.dialect
+    groups = sqlite_row_groups(len(rows), sqlite_statement_rows(len(columns)))
+    if len(groups) == 1 and len(rows) >= SQLITE_IN_FLIGHT_ROWS:
+        raw = await conn.get_raw_connection()
+        driver: Any = raw.driver_connection
+        sql = _sqlite_values_upsert_sql(dialect, table, columns, update, len(rows))
+        return await _sent(_driver_execute(driver, sql, _flat(rows)))
+    start = 0
+    for size in groups:
+        sql = _sqlite_values_upsert_sql(dialect, table, columns, update, size)
+        await conn.exec_driver_sql(sql, _flat(rows[start : start + size]))
+        start += size
+    return None
+
+
+def _flat(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...]:
+    return tuple(itertools.chain.from_iterable(rows))
+
+
+async def _driver_execute(driver: Any, sql: str, params: tuple[Any, ...]) -> None:
+    try:
+        await driver.execute(sql, params)
+    except sqlite3.Error as exc:
+        raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=64)
+def _sqlite_values_upsert_sql(
+    dialect: Dialect, table: Table, columns: tuple[str, ...], update: tuple[str, ...], rows: int
+) -> str:
+    """:func:`upsert_sql` with ``rows`` tuples of parameters after ``VALUES`` (SQLite)."""
+    single = _upsert_sql(dialect, table, columns, update)
+    one = "(" + ", ".join(["?"] * len(columns)) + ")"
+    if single.count(one) != 1:
+        raise AssertionError(f"unexpected upsert statement {single!r}")
+    return single.replace(one, ", ".join([one] * rows))
 
 
 async def outlive_statement(in_flight: asyncio.Task[Any]) -> None:
@@ -342,9 +424,13 @@ async def _copy_stage(
     )
     await conn.exec_driver_sql(f"TRUNCATE {temp}")
     raw = await conn.get_raw_connection()
-    await raw.driver_connection.copy_records_to_table(  # type: ignore[union-attr]
-        f"kmq_upsert_{table.name}", records=rows, columns=list(columns)
-    )
+    try:
+        await raw.driver_connection.copy_records_to_table(  # type: ignore[union-attr]
+            f"kmq_upsert_{table.name}", records=rows, columns=list(columns)
+        )
+    except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        # Past SQLAlchemy, so translated here, as in driver_rows.
+        raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
 
 
 @functools.lru_cache(maxsize=16)

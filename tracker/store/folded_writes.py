@@ -8,7 +8,10 @@ server wrote. Here the rows of the lanes folded so far go out in chunks as soon 
 enough of them, and the statement that applies a chunk is in flight while the next lanes
 fold (:func:`tracker.store.dialects.start_upsert`); one chunk at a time, as one connection
 runs one statement at a time. Everything stays in the flush's one transaction, so a crash
-or an error applies nothing, as before.
+or an error applies nothing, as before. On PostgreSQL a chunk is everything gathered, from
+:data:`CHUNK_ROWS` rows (COPY takes any number at once); on SQLite it is one multi-row
+statement's worth (:func:`tracker.store.dialects.sqlite_statement_rows`), the entry rows
+beyond it waiting for the next lane, so that one statement is in flight behind each lane.
 
 Rows go out in key order across chunks: the lanes are folded in key order (a lane is the
 key's prefix) and each chunk is sorted, so two transactions that lock the same rows still
@@ -26,7 +29,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from tracker.domain.entries import EntryKey
 from tracker.domain.tracked_range import RANGE_COLUMN_NAMES, RangeKey
 
-from .dialects import keys_in, outlive_statement, start_upsert, upsert_rows
+from .dialects import (
+    keys_in,
+    outlive_statement,
+    sqlite_statement_rows,
+    start_upsert,
+    upsert_rows,
+)
 from .tables import (
     ENTRY_COLUMN_NAMES,
     ENTRY_UPDATE_COLUMNS,
@@ -57,6 +66,11 @@ class FoldedWrites:
         self.range_deletes: list[RangeKey] = []
         #: the entries' upsert the server is applying, if one is
         self._in_flight: asyncio.Task[Any] | None = None
+        #: the most entry rows one chunk sends (None: all gathered), and when a chunk goes
+        self._most: int | None = None
+        self._chunk_rows = CHUNK_ROWS
+        if conn.dialect.name == "sqlite":
+            self._most = self._chunk_rows = sqlite_statement_rows(len(ENTRY_COLUMN_NAMES))
         self.upserted = 0
         self.deleted = 0
 
@@ -68,12 +82,12 @@ class FoldedWrites:
             + len(self.range_upserts)
             + len(self.range_deletes)
         )
-        if pending >= CHUNK_ROWS:
+        if pending >= self._chunk_rows:
             await self._send()
 
     async def finish(self) -> None:
         """Send what is left and wait until the database has applied every chunk."""
-        await self._send()
+        await self._send(last=True)
         await self._settled()
 
     async def abandon(self) -> None:
@@ -89,10 +103,15 @@ class FoldedWrites:
         if task is not None:
             await task
 
-    async def _send(self) -> None:
+    async def _send(self, *, last: bool = False) -> None:
         """Write the gathered rows: the small statements first, the entries' upsert last,
-        left in flight."""
+        left in flight (all of it if ``last``)."""
         upserts, self.upserts = self.upserts, []
+        if upserts and self._most is not None and not last and len(upserts) > self._most:
+            # In key order, the first statement's worth now, the rest with the next chunk
+            # (whose rows all come later in key order: lanes fold in key order).
+            upserts.sort(key=ROW_KEY)
+            upserts, self.upserts = upserts[: self._most], upserts[self._most :]
         deletes, self.deletes = self.deletes, []
         range_upserts, self.range_upserts = self.range_upserts, []
         range_deletes, self.range_deletes = self.range_deletes, []
