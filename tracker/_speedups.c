@@ -118,6 +118,10 @@ static PyObject *text_str(cache_t *cache, const unsigned char *p, Py_ssize_t len
         Py_INCREF(cache->value);
         return cache->value;
     }
+    /* U+0000 is valid UTF-8 but no PostgreSQL text holds it (tracker/protocol_text.py). */
+    if (memchr(p, 0, (size_t)len) != NULL) {
+        return fail("%s contains a NUL character (U+0000)", what);
+    }
     PyObject *value = PyUnicode_DecodeUTF8((const char *)p, len, "strict");
     if (value == NULL) {
         if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {

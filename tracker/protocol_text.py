@@ -47,14 +47,29 @@ def decode_topic(raw: bytes) -> str:
 
 
 def decode_name(raw: bytes, what: str) -> str:
-    """A UTF-8 name (group, consumer) from its bytes; :class:`MarkerError` if not UTF-8."""
+    """A UTF-8 name (group, consumer) from its bytes; :class:`MarkerError` if not UTF-8 or
+    if it holds a NUL (:func:`decode_text`)."""
     text = text_cache.get(raw)
     if text is None:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise MarkerError(f"{what} is not valid UTF-8") from None
+        text = decode_text(raw, what)
         if len(text_cache) >= CACHE_LIMIT:
             text_cache.clear()
         text_cache[raw] = text
     return text
+
+
+def decode_text(raw: bytes, what: str) -> str:
+    """UTF-8 text of a marker (a name, a reason); :class:`MarkerError` if it is not UTF-8 or
+    holds a NUL character.
+
+    U+0000 is valid UTF-8, but PostgreSQL cannot store it in a text column: a marker that
+    carried one failed every flush it was in (on SQLite it would have been stored), so it
+    would stall its partition's ingest until parked by hand. It is refused here, by both
+    decoders and on every store, and parked with the other malformed markers.
+    """
+    if b"\x00" in raw:
+        raise MarkerError(f"{what} contains a NUL character (U+0000)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise MarkerError(f"{what} is not valid UTF-8") from None

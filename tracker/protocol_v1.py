@@ -230,6 +230,8 @@ def _check_text(value: str, what: str, limit: int, *, required: bool = False) ->
             data = value.encode("utf-8")
         except UnicodeEncodeError as exc:  # lone surrogates
             raise MarkerError(f"{what} is not encodable as UTF-8") from exc
+        if b"\x00" in data:  # tracker/protocol_text.py: decode_text
+            raise MarkerError(f"{what} contains a NUL character (U+0000)")
         if len(value) <= 255:  # names, not free text: few distinct values
             if len(_text_bytes) >= _ENCODE_CACHE_LIMIT:
                 _text_bytes.clear()

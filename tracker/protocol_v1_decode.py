@@ -15,7 +15,7 @@ from tracker.protocol_limits import (
     MAX_GROUP_LENGTH,
     MAX_REASON_LENGTH,
 )
-from tracker.protocol_text import decode_name, decode_topic, text_cache, topic_cache
+from tracker.protocol_text import decode_name, decode_text, decode_topic, text_cache, topic_cache
 from tracker.protocol_v1 import (
     DELAY_FLAGS,
     FLAG_DEFERRED,
@@ -48,10 +48,7 @@ _name = decode_name
 
 
 def _reason(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise MarkerError("reason is not valid UTF-8") from None
+    return decode_text(raw, "reason")
 
 
 def _refuse_head(  # noqa: PLR0917 - mirrors the head tuple

@@ -244,6 +244,8 @@ def _text(value: str, what: str, limit: int, *, required: bool = False) -> bytes
         data = value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise MarkerError(f"{what} is not encodable as UTF-8") from exc
+    if b"\x00" in data:  # tracker/protocol_text.py: decode_text
+        raise MarkerError(f"{what} contains a NUL character (U+0000)")
     if required and not data:
         raise MarkerError(f"{what} must not be empty")
     if len(data) > limit:

@@ -210,6 +210,11 @@ public final class MarkerRowsUdf implements UDF1<byte[], List<Row>> {
         return cached;
       }
     }
+    for (int i = from; i < from + len; i++) {
+      if (v[i] == 0) { // U+0000: no PostgreSQL text holds it (tracker/protocol_text.py)
+        throw new Refused(what + " contains a NUL character (U+0000)");
+      }
+    }
     String decoded;
     try {
       CharBuffer chars = state.utf8.reset().decode(ByteBuffer.wrap(v, from, len));

@@ -159,6 +159,7 @@ async def test_invalid_markers_are_refused_and_nothing_is_written(env: ApiEnv) -
         ({**good, "kind": "start", "reason": "x"}, "reason applies"),
         ({**good, "kind": "delay", "deferred": True}, "needs delay_ms"),
         ({**good, "kind": "delay", "delay_ms": 10**15}, "delay_ms"),
+        ({**good, "kind": "reject", "reason": "bad \u0000 byte"}, "NUL character"),
         ({**good, "unknown": 1}, "unknown"),
         ({"markers": []}, "markers"),
         ({"markers": [good, {**good, "partition": "zero"}]}, "markers.1"),

@@ -24,7 +24,7 @@ from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.domain.entries import State
 from tracker.engine.process import Tracker
 from tracker.ids import MessageId
-from tracker.protocol import Marker, MarkerKind, decode_marker
+from tracker.protocol import Marker, MarkerKind, decode_marker, encode_marker
 from tracker.runtime import create_tracker
 from tracker.store.dialects import create_engine
 
@@ -462,7 +462,11 @@ async def test_malformed_and_unknown_markers_are_parked_while_valid_ones_work(
     raw = AIOKafkaProducer(bootstrap_servers=env["bootstrap"])
     await raw.start()
     sink = KafkaMarkerSink(raw, markers)
+    # The last: a REJECT whose reason holds U+0000, valid UTF-8 that no PostgreSQL text
+    # holds (it failed every flush it was in, stalling the partition, before it was refused).
+    nul = encode_marker(Marker.reject(env["group"], MessageId(topic, 0, 9), reason="aXb"))
     garbage = [b"", b"\x01", b"\x02garbage", b"\x01\x02\x00" + b"\xff" * 40]
+    garbage.append(nul.replace(b"aXb", b"a\x00b"))
 
     async def ack(message: KmqMessage) -> None:
         await message.ack()
@@ -481,9 +485,9 @@ async def test_malformed_and_unknown_markers_are_parked_while_valid_ones_work(
                     await producer.send(topic, f"ok{i}".encode())
                 await eventually(lambda: len(worker.received) == 50, what="50 deliveries")
             async with TopicWatcher(env["bootstrap"], invalid) as parked:
-                await parked.wait_for(lambda r: len(r) == 21, what="21 parked markers")
+                await parked.wait_for(lambda r: len(r) == 26, what="26 parked markers")
             assert copies(watcher, topic) == []
-            assert tracker.metrics.markers_invalid.labels("malformed")._value.get() == 20
+            assert tracker.metrics.markers_invalid.labels("malformed")._value.get() == 25
             assert tracker.metrics.markers_invalid.labels("unknown_topic")._value.get() == 1
     finally:
         await raw.stop()
@@ -492,3 +496,6 @@ async def test_malformed_and_unknown_markers_are_parked_while_valid_ones_work(
     assert all(r.header("kmq-invalid-source") for r in parked.records)
     unknown = [r for r in parked.records if r.header("kmq-invalid-category") == b"unknown_topic"]
     assert b"does not exist" in (unknown[0].header("kmq-invalid-reason") or b"")
+    with_nul = [r for r in parked.records if r.value == garbage[-1]]
+    assert len(with_nul) == 5
+    assert with_nul[0].header("kmq-invalid-reason") == b"reason contains a NUL character (U+0000)"

@@ -11,7 +11,18 @@ from tracker.protocol_v2 import MAX_RANGE_WIDTH, RangeKind, RangeMarker
 topics = st.from_regex(r"[a-zA-Z0-9._-]{1,249}", fullmatch=True).filter(
     lambda t: t not in {".", ".."}
 )
-texts = st.text(max_size=40).filter(lambda s: len(s.encode("utf-8", "surrogatepass")) <= 255)
+
+
+def _no_nul(text: str) -> str:
+    """Markers refuse U+0000 in their text (tracker/protocol_text.py: decode_text)."""
+    return text.replace("\x00", "?")
+
+
+texts = (
+    st.text(max_size=40)
+    .map(_no_nul)
+    .filter(lambda s: len(s.encode("utf-8", "surrogatepass")) <= 255)
+)
 safe_texts = texts.filter(lambda s: not any(0xD800 <= ord(c) <= 0xDFFF for c in s))
 groups = safe_texts.filter(lambda s: 0 < len(s.encode()) <= 255)
 message_ids = st.builds(MessageId, topics, st.integers(0, 2**31 - 1), st.integers(0, 2**63 - 1))
@@ -68,10 +79,10 @@ def range_markers(draw: st.DrawFn) -> RangeMarker:
         timeout = draw(st.integers(0, 2**32 - 1))
     elif kind is RangeKind.RANGE_EXTEND:
         timeout = draw(st.integers(1, 2**32 - 1))
-    consumer = draw(st.text(max_size=20)) if kind is RangeKind.RANGE_START else ""
+    consumer = draw(st.text(max_size=20).map(_no_nul)) if kind is RangeKind.RANGE_START else ""
     return RangeMarker(
         kind,
-        draw(st.text(min_size=1, max_size=20)),
+        draw(st.text(min_size=1, max_size=20).map(_no_nul)),
         draw(
             st.from_regex(r"[a-zA-Z0-9._-]{1,40}", fullmatch=True).filter(
                 lambda t: t not in (".", "..")

@@ -9,6 +9,7 @@ import pytest
 from aiokafka.errors import KafkaTimeoutError
 from support.records import RECORDS_AT, FakeRecord
 
+from tracker.client.consumer import KmqConsumer, marker_consumer_id
 from tracker.client.marker_sink import KafkaMarkerSink
 from tracker.client.message import KmqMessage, MessageContext
 from tracker.client.open_ranges import RangeBook
@@ -24,7 +25,7 @@ from tracker.errors import (
 )
 from tracker.headers import KmqHeaders, format_deliver_at, without_kmq_headers
 from tracker.ids import MessageId
-from tracker.protocol import MAX_REASON_LENGTH, Marker, MarkerKind
+from tracker.protocol import MAX_REASON_LENGTH, Marker, MarkerKind, encode_marker
 from tracker.testing import InMemoryMarkerSink
 
 pytestmark = pytest.mark.unit
@@ -269,6 +270,40 @@ async def test_long_reasons_are_truncated_on_a_character_boundary() -> None:
     reason = sink.v1[0].reason
     assert len(reason.encode()) <= 4096
     assert set(reason) == {"é"}
+
+
+async def test_nul_characters_in_a_reason_are_replaced_not_refused() -> None:
+    """An exception's text may quote binary data; the protocol refuses U+0000 in text (no
+    PostgreSQL text holds it), so the client replaces it rather than lose the retry."""
+    sink = InMemoryMarkerSink()
+    await _message(sink).retry(reason="ValueError: bad byte \x00 at 3")
+    assert sink.v1[0].reason == "ValueError: bad byte \ufffd at 3"
+
+
+@pytest.mark.parametrize(
+    ("group_id", "consumer_id", "error"),
+    [
+        ("", None, "group_id must be 1 to 255 bytes"),
+        ("é" * 128, None, "group_id must be 1 to 255 bytes"),
+        ("bill\x00ing", None, "without NUL"),
+        ("billing", "worker\x001", "consumer_id must not contain NUL"),
+    ],
+)
+def test_a_consumer_refuses_names_no_marker_can_carry(
+    group_id: str, consumer_id: str | None, error: str
+) -> None:
+    with pytest.raises(ValueError, match=error):
+        KmqConsumer(
+            "orders", group_id=group_id, consumer_id=consumer_id, bootstrap_servers="127.0.0.1:9"
+        )
+
+
+def test_a_long_consumer_id_is_cut_to_what_a_marker_carries() -> None:
+    """255 bytes of UTF-8, cut on a character (a cut by characters left 510 bytes of "é",
+    which every START then failed to encode)."""
+    consumer_id = marker_consumer_id("é" * 300)
+    assert consumer_id == "é" * 127
+    encode_marker(Marker.start("billing", MessageId("orders", 0, 0), consumer=consumer_id))
 
 
 def test_message_exposes_identity_key_and_application_headers() -> None:

@@ -213,6 +213,37 @@ def test_illegal_topic_names_are_refused_both_ways(decode: Decoder) -> None:
         encode_marker(Marker.ack("g", MessageId("x" * 250, 0, 0)))
 
 
+_NUL_CASES = [
+    (Marker.ack("gXg", MessageId("t", 0, 0)), "group"),
+    (Marker.start("g", MessageId("t", 0, 0), consumer="cXc"), "consumer"),
+    (Marker.reject("g", MessageId("t", 0, 0), reason="bad X byte"), "reason"),
+    (Marker.delay("g", MessageId("t", 0, 1), reason="rX", origin=MessageId("t", 0, 0)), "reason"),
+]
+
+
+@pytest.mark.parametrize(("marker", "field"), _NUL_CASES)
+def test_a_nul_character_in_text_is_refused_by_both_decoders(marker: Marker, field: str) -> None:
+    """U+0000 is valid UTF-8, but no PostgreSQL text column holds it: a marker carrying one
+    failed every flush it was in, stalling its partition. Both decoders refuse it (so it is
+    parked like any malformed marker), worded the same."""
+    value = encode_marker(marker)
+    assert value.count(b"X") == 1
+    value = value.replace(b"X", b"\x00")
+    refusals = []
+    for decode in (decode_marker, py_decode_any):
+        with pytest.raises(MarkerError) as refused:
+            decode(value)
+        refusals.append(str(refused.value))
+    assert refusals == [f"{field} contains a NUL character (U+0000)"] * 2
+
+
+@pytest.mark.parametrize(("marker", "field"), _NUL_CASES)
+def test_the_encoder_refuses_a_nul_character_in_text(marker: Marker, field: str) -> None:
+    with_nul = marker._replace(**{field: getattr(marker, field).replace("X", "\x00")})
+    with pytest.raises(MarkerError, match=re.escape(f"{field} contains a NUL character")):
+        encode_marker(with_nul)
+
+
 @pytest.mark.parametrize(
     "marker",
     [

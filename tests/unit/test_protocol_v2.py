@@ -178,11 +178,35 @@ def test_malformed_range_markers_are_refused_with_the_reason(decode: Decoder, na
         (RangeMarker.extend("g", "t", 0, 0, 3, timeout_ms=0), "timeout_ms"),
         (RangeMarker.settle("", "t", 0, 0, 3), "group"),
         (RangeMarker.settle("g", "a/b", 0, 0, 3), "legal Kafka topic"),
+        (RangeMarker.settle("g\x00", "t", 0, 0, 3), "group contains a NUL"),
+        (RangeMarker.start("g", "t", 0, 0, 3, consumer="c\x00"), "consumer contains a NUL"),
     ],
 )
 def test_the_encoder_refuses_what_the_decoders_would(marker: RangeMarker, reason: str) -> None:
     with pytest.raises(MarkerError, match=reason):
         encode_range_marker(marker)
+
+
+@pytest.mark.parametrize(
+    ("marker", "field"),
+    [
+        (RangeMarker.settle("gXg", "t", 0, 0, 3), "group"),
+        (RangeMarker.start("g", "t", 0, 0, 3, consumer="cXc"), "consumer"),
+    ],
+)
+def test_a_nul_character_in_text_is_refused_by_both_decoders(
+    marker: RangeMarker, field: str
+) -> None:
+    """As in version 1 (tests/unit/test_protocol.py): no PostgreSQL text holds U+0000."""
+    value = encode_range_marker(marker)
+    assert value.count(b"X") == 1
+    value = value.replace(b"X", b"\x00")
+    refusals = []
+    for decode in (decode_marker, py_decode_any):
+        with pytest.raises(MarkerError) as refused:
+            decode(value)
+        refusals.append(str(refused.value))
+    assert refusals == [f"{field} contains a NUL character (U+0000)"] * 2
 
 
 def test_a_batch_mixes_versions_and_keeps_going_past_bad_records() -> None:

@@ -35,7 +35,7 @@ from tracker.clock import Clock, SystemClock
 from tracker.errors import ClientClosed, MarkerWriteFailed
 from tracker.ids import is_valid_topic
 from tracker.kafka.clients import stop_consumer
-from tracker.protocol import MAX_GROUP_LENGTH, MAX_TIMEOUT_MS
+from tracker.protocol import MAX_CONSUMER_LENGTH, MAX_GROUP_LENGTH, MAX_TIMEOUT_MS
 
 from .gc_untrack import records_untracker
 from .group_membership import GroupTimeouts, RebalanceCounter
@@ -68,6 +68,17 @@ POOL_PIPELINE_DEPTH = 4
 
 #: The lease ``run()`` asks for and renews when the consumer leaves it to the tracker's policy.
 DEFAULT_RUN_LEASE = timedelta(seconds=30)
+
+
+def marker_consumer_id(consumer_id: str | None) -> str:
+    """``consumer_id`` (or :func:`default_consumer_id`) as STARTs carry it: at most
+    ``MAX_CONSUMER_LENGTH`` bytes of UTF-8, cut on a character (a cut by characters could
+    leave twice that many bytes, which every START then failed to encode); ``ValueError`` for
+    a NUL character, which no marker carries."""
+    if consumer_id is not None and "\x00" in consumer_id:
+        raise ValueError("consumer_id must not contain NUL characters")
+    text = consumer_id or default_consumer_id()
+    return text.encode("utf-8")[:MAX_CONSUMER_LENGTH].decode("utf-8", errors="ignore")
 
 
 def default_consumer_id() -> str:
@@ -142,8 +153,10 @@ class KmqConsumer:
                 raise ValueError(f"{topic!r} is not a legal Kafka topic name")
         if markers_topic in topics:
             raise ValueError("the markers topic cannot also be a queue topic")
-        if not group_id or len(group_id.encode("utf-8")) > MAX_GROUP_LENGTH:
-            raise ValueError(f"group_id must be 1 to {MAX_GROUP_LENGTH} bytes of UTF-8")
+        if not group_id or "\x00" in group_id or len(group_id.encode("utf-8")) > MAX_GROUP_LENGTH:
+            raise ValueError(
+                f"group_id must be 1 to {MAX_GROUP_LENGTH} bytes of UTF-8, without NUL characters"
+            )
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         lease_ms = 0  #: kept by the range taker from here on (run() may set one)
@@ -154,7 +167,7 @@ class KmqConsumer:
         self.topics = topics
         self.group_id = group_id
         self.markers_topic = markers_topic
-        self.consumer_id = (consumer_id or default_consumer_id())[:255]
+        self.consumer_id = marker_consumer_id(consumer_id)
         self._max_batch = max_batch
         self._fetch_timeout_ms = max(0, round(fetch_timeout.total_seconds() * 1000))
         self._clock: Clock = clock or SystemClock()

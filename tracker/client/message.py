@@ -27,8 +27,12 @@ from .open_ranges import ACKED, DIVERGED, OPEN, SENT, OpenRange, RangeBook
 log = logging.getLogger(__name__)
 
 
-def _truncate_utf8(text: str, limit: int = MAX_REASON_LENGTH) -> str:
-    """Cut ``text`` to at most ``limit`` UTF-8 bytes without splitting a character."""
+def _reason_text(text: str, limit: int = MAX_REASON_LENGTH) -> str:
+    """``text`` as a marker's reason: NUL characters (which the protocol refuses: no
+    PostgreSQL text holds one) replaced by U+FFFD, cut to at most ``limit`` UTF-8 bytes
+    without splitting a character. Reasons are often an exception's text, which may quote
+    binary data."""
+    text = text.replace("\x00", "\ufffd")
     data = text.encode("utf-8", errors="replace")
     if len(data) <= limit:
         return text
@@ -245,7 +249,7 @@ class KmqMessage:
             attempt=self.attempt,
             origin=self._origin_field(),
             delay_ms=delay_ms,
-            reason=_truncate_utf8(reason),
+            reason=_reason_text(reason),
         )
         self._diverge()  # before the write: even a write that fails may reach the broker
         await self._write(marker, wait)
@@ -279,7 +283,7 @@ class KmqMessage:
             self.id,
             attempt=self.attempt,
             origin=self._origin_field(),
-            reason=_truncate_utf8(reason),
+            reason=_reason_text(reason),
         )
         self._diverge()  # before the write: even a write that fails may reach the broker
         await self._write(marker, wait)
