@@ -128,6 +128,11 @@ def _corpus(rng: random.Random) -> list[bytes | None]:
                 corrupted = bytearray(sample)
                 corrupted[position] = rng.randrange(256)
                 values.append(bytes(corrupted))
+    # A NUL in each text field (group, consumer, reason): refused by every decoder alike.
+    for sample in _samples():
+        for text in (b"billing", "wörker-1".encode(), b"try later", b"bad json", b"c-1"):
+            if text in sample:
+                values.append(sample.replace(text, text[:1] + b"\x00" + text[2:], 1))
     for version in (b"\x01", b"\x02", b"\x03", b""):
         values += [version + rng.randbytes(rng.randrange(60)) for _ in range(300)]
     # Topic names the error quotes: quotes, backslashes, control bytes, non-ASCII after them.
