@@ -371,19 +371,26 @@ async def _driver_execute(driver: Any, sql: str, params: tuple[Any, ...]) -> Non
     try:
         await driver.execute(sql, params)
     except sqlite3.Error as exc:
-        raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
+        raise _driver_error(exc) from exc
 
 
 @functools.lru_cache(maxsize=64)
 def _sqlite_values_upsert_sql(
     dialect: Dialect, table: Table, columns: tuple[str, ...], update: tuple[str, ...], rows: int
 ) -> str:
-    """:func:`upsert_sql` with ``rows`` tuples of parameters after ``VALUES`` (SQLite)."""
+    """:func:`_upsert_sql` with ``rows`` tuples of parameters after ``VALUES``."""
     single = _upsert_sql(dialect, table, columns, update)
     one = "(" + ", ".join(["?"] * len(columns)) + ")"
     if single.count(one) != 1:
         raise AssertionError(f"unexpected upsert statement {single!r}")
     return single.replace(one, ", ".join([one] * rows))
+
+
+def _driver_error(exc: Exception) -> StoreUnavailable:
+    """A driver error raised past SQLAlchemy (whose errors the store's transactions
+    translate), as the store's callers expect it: a failover or a deadlock mid-claim must
+    pause redelivery, not end it."""
+    return StoreUnavailable(f"database error: {type(exc).__name__}: {exc}")
 
 
 async def outlive_statement(in_flight: asyncio.Task[Any]) -> None:
@@ -429,8 +436,7 @@ async def _copy_stage(
             f"kmq_upsert_{table.name}", records=rows, columns=list(columns)
         )
     except (asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        # Past SQLAlchemy, so translated here, as in driver_rows.
-        raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
+        raise _driver_error(exc) from exc
 
 
 @functools.lru_cache(maxsize=16)
@@ -612,9 +618,7 @@ async def driver_rows(
             return list(await driver.execute_fetchall(sql, args))
         return list(await driver.fetch(sql, *args))
     except (sqlite3.Error, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-        # Past SQLAlchemy, so translated here: the store's callers see StoreUnavailable
-        # (a failover or a deadlock mid-claim must pause redelivery, not end it).
-        raise StoreUnavailable(f"database error: {type(exc).__name__}: {exc}") from exc
+        raise _driver_error(exc) from exc
 
 
 @functools.lru_cache(maxsize=256)
@@ -665,5 +669,5 @@ def rowid_column(dialect_name: str) -> list[ColumnElement[Any]]:
 
 def max_bind_rows(engine: AsyncEngine, columns: int) -> int:
     """How many rows one multi-row statement may carry within the driver's parameter limit."""
-    limit = 32_766 if is_sqlite(engine) else 32_767
+    limit = SQLITE_MAX_PARAMETERS if is_sqlite(engine) else 32_767
     return max(1, limit // max(1, columns))
