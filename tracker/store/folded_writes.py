@@ -66,11 +66,10 @@ class FoldedWrites:
         self.range_deletes: list[RangeKey] = []
         #: the entries' upsert the server is applying, if one is
         self._in_flight: asyncio.Task[Any] | None = None
-        #: the most entry rows one chunk sends (None: all gathered), and when a chunk goes
+        #: the most entry rows one chunk sends (None: all gathered; also when a chunk goes)
         self._most: int | None = None
-        self._chunk_rows = CHUNK_ROWS
         if conn.dialect.name == "sqlite":
-            self._most = self._chunk_rows = sqlite_statement_rows(len(ENTRY_COLUMN_NAMES))
+            self._most = sqlite_statement_rows(len(ENTRY_COLUMN_NAMES))
         self.upserted = 0
         self.deleted = 0
 
@@ -82,7 +81,7 @@ class FoldedWrites:
             + len(self.range_upserts)
             + len(self.range_deletes)
         )
-        if pending >= self._chunk_rows:
+        if pending >= (self._most or CHUNK_ROWS):
             await self._send()
 
     async def finish(self) -> None:
@@ -105,12 +104,12 @@ class FoldedWrites:
 
     async def _send(self, *, last: bool = False) -> None:
         """Write the gathered rows: the small statements first, the entries' upsert last,
-        left in flight (all of it if ``last``)."""
+        left in flight (all gathered so far if ``last``, else one chunk's worth)."""
         upserts, self.upserts = self.upserts, []
-        if upserts and self._most is not None and not last and len(upserts) > self._most:
-            # In key order, the first statement's worth now, the rest with the next chunk
-            # (whose rows all come later in key order: lanes fold in key order).
-            upserts.sort(key=ROW_KEY)
+        upserts.sort(key=ROW_KEY)
+        if self._most is not None and not last and len(upserts) > self._most:
+            # The first statement's worth now, the rest with the next chunk (whose rows all
+            # come later in key order: lanes fold in key order).
             upserts, self.upserts = upserts[: self._most], upserts[self._most :]
         deletes, self.deletes = self.deletes, []
         range_upserts, self.range_upserts = self.range_upserts, []
@@ -132,7 +131,6 @@ class FoldedWrites:
                 conn, ranges_table, RANGE_COLUMN_NAMES, RANGE_UPDATE_COLUMNS, range_upserts
             )
         if upserts:
-            upserts.sort(key=ROW_KEY)
             self._in_flight = await start_upsert(
                 conn, tracked, ENTRY_COLUMN_NAMES, ENTRY_UPDATE_COLUMNS, upserts
             )
