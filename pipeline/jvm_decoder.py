@@ -36,7 +36,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-SOURCE = Path(__file__).with_name("jvm") / "MarkerRowsUdf.java"
+_JVM_DIR = Path(__file__).with_name("jvm")
+#: The Java sources of the pipeline's jar: the marker decoder and the ledger fold.
+SOURCES = tuple(sorted(_JVM_DIR.glob("*.java")))
 CLASS_NAME = "kmq.pipeline.MarkerRowsUdf"
 #: The SQL function the decoder is registered as: ``kmq_marker_rows(value)`` is an array of
 #: the ``markers`` format's marker fields, one element per row (``inline`` makes them rows).
@@ -72,7 +74,8 @@ def jar_path() -> Path:
     """Where the jar for this source and this Spark version is (or would be) cached."""
     import pyspark  # noqa: PLC0415
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + pyspark.__version__.encode()).hexdigest()
+    sources = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(sources + pyspark.__version__.encode()).hexdigest()
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kmq-tracker" / "jvm")
     return cache / f"{_JAR_PREFIX}{digest[:16]}.jar"
 
@@ -96,14 +99,14 @@ def build_jar(javac: str, target: Path) -> Path:
                 str(_spark_jars() / "*"),
                 "-d",
                 str(classes),
-                str(SOURCE),
+                *map(str, SOURCES),
             ],
             capture_output=True,
             text=True,
             check=False,
         )
         if done.returncode != 0:
-            raise JvmDecoderBuildError(f"javac failed on {SOURCE}:\n{done.stderr.strip()}")
+            raise JvmDecoderBuildError(f"javac failed on {_JVM_DIR}:\n{done.stderr.strip()}")
         partial = target.with_name(f"{target.name}.{os.getpid()}.part")
         with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as jar:
             for path in sorted(classes.rglob("*.class")):

@@ -240,12 +240,113 @@ def _dead_letters(dlq: DataFrame) -> DataFrame:
     )
 
 
-def build_ledger(markers: DataFrame, dlq: DataFrame | None, params: LedgerParams) -> DataFrame:
+#: How the fold runs: ``jvm`` walks the sorted markers once in Java (pipeline/jvm/LedgerFold.java),
+#: ``sql`` aggregates with Spark SQL; ``auto`` is the first where the session has its class.
+FOLDS = ("auto", "jvm", "sql")
+
+
+def build_ledger(
+    markers: DataFrame, dlq: DataFrame | None, params: LedgerParams, *, fold: str = "auto"
+) -> DataFrame:
     """The ledger rows of every message in ``markers`` (decoded markers, MARKERS_DDL).
 
     ``dlq`` (DLQ_DDL) confirms dead letters; records of messages with no marker here are
-    ignored (see :func:`orphan_dead_letters`). Pure DataFrame code: no Python UDF runs.
+    ignored (see :func:`orphan_dead_letters`). No Python UDF runs: the fold is Spark SQL or,
+    where the session has the pipeline's jar, one pass over the sorted markers in the JVM
+    (``fold``, see :data:`FOLDS`); both give the same rows.
     """
+    if fold not in FOLDS:
+        raise ValueError(f"unknown fold {fold!r}; expected one of {list(FOLDS)}")
+    per_key = _per_key_sql(markers, dlq, params)
+    fold_class = None if fold == "sql" else jvm_fold_class(markers.sparkSession)
+    if fold_class is not None:
+        per_key = _per_key_jvm(fold_class, markers, dlq, params, per_key.schema)
+        return _ledger_rows(per_key, params, timed_out_marked=True)
+    if fold == "jvm":
+        raise LedgerError("the JVM fold is not on this session's classpath (pipeline/jvm_jar.py)")
+    return _ledger_rows(per_key, params, timed_out_marked=False)
+
+
+def jvm_fold_class(spark: SparkSession) -> Any | None:
+    """The JVM fold's class in ``spark`` (a py4j handle), or ``None`` where the session has
+    no JVM of its own (Spark Connect) or not the pipeline's jar."""
+    from py4j.java_gateway import JavaClass  # type: ignore[import-untyped]  # noqa: PLC0415
+
+    jvm = getattr(spark, "_jvm", None)
+    if jvm is None:
+        return None
+    found = getattr(jvm, FOLD_CLASS)
+    return found if isinstance(found, JavaClass) else None
+
+
+#: The fold's class (pipeline/jvm/LedgerFold.java).
+FOLD_CLASS = "kmq.pipeline.LedgerFold"
+
+
+def _fold_input(markers: DataFrame, dlq: DataFrame | None) -> DataFrame:
+    """The rows the JVM fold walks: valid markers, and dead letters in the same columns
+    (LedgerFold.java names them), so one shuffle brings a message's markers and its dead
+    letters together."""
+    c = F.col
+    rows = markers.where(c("error").isNull() & c("kind").isNotNull()).select(
+        *KEY,
+        F.lit(0).alias("src"),
+        "attempt",
+        "markers_partition",
+        "markers_offset",
+        F.unix_millis("timestamp").alias("ts"),
+        "kind",
+        "topic",
+        "partition",
+        "offset",
+        "consumer",
+        "timeout_ms",
+        "delay_ms",
+        "policy_delay",
+        "deferred",
+        "reason",
+    )
+    if dlq is None:
+        return rows
+    letters = dlq.where(c("error").isNull()).select(
+        *KEY,
+        F.lit(1).alias("src"),
+        c("attempts").alias("attempt"),
+        F.lit(None).cast("int").alias("markers_partition"),
+        F.lit(None).cast("bigint").alias("markers_offset"),
+        F.coalesce(F.unix_millis("dead_lettered_at"), F.unix_millis("timestamp")).alias("ts"),
+        F.lit(None).cast("string").alias("kind"),
+        c("dlq_topic").alias("topic"),
+        c("dlq_partition").alias("partition"),
+        c("dlq_offset").alias("offset"),
+        F.lit(None).cast("string").alias("consumer"),
+        F.lit(None).cast("bigint").alias("timeout_ms"),
+        F.lit(None).cast("bigint").alias("delay_ms"),
+        F.lit(None).cast("boolean").alias("policy_delay"),
+        F.lit(None).cast("boolean").alias("deferred"),
+        "reason",
+    )
+    return rows.unionByName(letters)
+
+
+def _per_key_jvm(
+    fold_class: Any,
+    markers: DataFrame,
+    dlq: DataFrame | None,
+    params: LedgerParams,
+    schema: StructType,
+) -> DataFrame:
+    """:func:`_per_key_sql`'s rows, folded in the JVM (pipeline/jvm/LedgerFold.java)."""
+    from pyspark.sql.classic.dataframe import DataFrame as ClassicDataFrame  # noqa: PLC0415
+
+    rows = _fold_input(markers, dlq)
+    folded = fold_class.fold(rows._jdf, schema.json(), params.default_timeout_ms)
+    return ClassicDataFrame(folded, markers.sparkSession)
+
+
+def _per_key_sql(markers: DataFrame, dlq: DataFrame | None, params: LedgerParams) -> DataFrame:
+    """One row per message: its attempts folded (first seen, attempts, history, the latest
+    attempt's outcome, sums) and its first dead letter, with Spark SQL aggregations."""
     c = F.col
     attempts = _per_attempt(markers, params)
     latest = F.struct(
@@ -284,6 +385,15 @@ def build_ledger(markers: DataFrame, dlq: DataFrame | None, params: LedgerParams
             ),
         )
 
+    return per_key
+
+
+def _ledger_rows(per_key: DataFrame, params: LedgerParams, *, timed_out_marked: bool) -> DataFrame:
+    """Each message's ledger row from its folded attempts: final state, what is pending and
+    when, settlement, the dead letter's columns, the history with timed-out attempts
+    (``timed_out_marked``: the fold marked them already, as the JVM one does; a ``transform``
+    of every history costs a fifth of the ledger)."""
+    c = F.col
     lk = c("latest.kind")
     waiting_for_delivery = (
         lk.isNull() & c("latest.started_ms").isNull() & c("latest.deferred_due_ms").isNotNull()
@@ -324,15 +434,17 @@ def build_ledger(markers: DataFrame, dlq: DataFrame | None, params: LedgerParams
         .when((lk == "REJECT") & F.lit(not params.dlq_checked), c("latest.outcome_ms"))
     )
     began_ms = F.coalesce(c("first_start_ms"), c("first_seen_ms"))
-    history = F.transform(
-        "history",
-        lambda x: x.withField(
-            "outcome",
-            F.when(
-                (x["outcome"] == "open") & (x["attempt"] < c("attempts")), "timed_out"
-            ).otherwise(x["outcome"]),
-        ),
-    )
+    history = c("history")
+    if not timed_out_marked:
+        history = F.transform(
+            "history",
+            lambda x: x.withField(
+                "outcome",
+                F.when(
+                    (x["outcome"] == "open") & (x["attempt"] < c("attempts")), "timed_out"
+                ).otherwise(x["outcome"]),
+            ),
+        )
     return per_key.select(
         c("group"),
         c("origin_topic").alias("topic"),
