@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml setup.py tracker/_speedups.c
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pipeline.jvm_decoder --if-possible
+	$(PY) -m pipeline.jvm_jar --if-possible
 	touch $@
 
 .PHONY: install

@@ -6,7 +6,8 @@ Two measurements, each with its own baseline:
   Spark and stored as Parquet first, so Kafka is out of the picture. Baseline: Spark reading
   those bytes and summing their lengths. Measured: decoding alone (``decode_markers_frame``:
   in the JVM where the session has the decoder's jar, and again on the Python workers), and
-  decoding + building the ledger (``build_ledger``, both decoders), into Spark's ``noop`` sink.
+  decoding + building the ledger (``build_ledger``: its fold in the JVM where the session has
+  the pipeline's jar, and again with the Spark SQL fold), into Spark's ``noop`` sink.
 * ``broker``: the markers are produced to a local broker (tansu, or ``--bootstrap``).
   Baseline: the ``kmq-kafka`` source reading the raw records and summing their lengths.
   Measured: the whole ledger job (``run_ledger``: read, decode, history and ledger Parquet,
@@ -125,8 +126,8 @@ def bench_memory(spark: Any, markers: int, workdir: Path) -> dict[str, Any]:
     from pyspark.sql import functions as F  # noqa: PLC0415
 
     from pipeline.connector_frames import decode_markers_frame  # noqa: PLC0415
-    from pipeline.jvm_decoder import register_decoder  # noqa: PLC0415
-    from pipeline.ledger_fold import LedgerParams, build_ledger  # noqa: PLC0415
+    from pipeline.jvm_jar import register_decoder  # noqa: PLC0415
+    from pipeline.ledger_fold import LedgerParams, build_ledger, jvm_fold_class  # noqa: PLC0415
 
     raw_path = str(workdir / "raw")
     messages = messages_for(markers)
@@ -153,37 +154,40 @@ def bench_memory(spark: Any, markers: int, workdir: Path) -> dict[str, Any]:
         )
     )
 
-    def ledger(decoder: str) -> None:
-        frame = build_ledger(decode_markers_frame(raw(), decoder=decoder), None, params)
+    def ledger(fold: str) -> None:
+        frame = build_ledger(decode_markers_frame(raw()), None, params, fold=fold)
         frame.write.format("noop").mode("overwrite").save()
 
     ledger_s, _ = _timed(lambda: ledger("auto"))
-    python_ledger_s, _ = _timed(lambda: ledger("python"))
+    sql_ledger_s, _ = _timed(lambda: ledger("sql"))
     rows = build_ledger(decode_markers_frame(raw()), None, params).count()
     return {
         "markers": count,
         "messages": rows,
-        # "auto": in the JVM where the session has the decoder's jar (pipeline/jvm_decoder.py);
-        # the "python_" figures decode the same records on the Python workers, for comparison.
+        # "auto": in the JVM where the session has the pipeline's jar (pipeline/jvm_jar.py);
+        # "python_decode" decodes the same records on the Python workers, "sql_fold_" folds
+        # the ledger with Spark SQL aggregations (run second: a warmer JVM), for comparison.
         "decoder": "jvm" if register_decoder(spark) else "python",
+        "fold": "jvm" if jvm_fold_class(spark) is not None else "sql",
         "seconds": {
             "baseline_read_bytes": round(baseline_s, 3),
             "decode": round(decode_s, 3),
             "python_decode": round(python_decode_s, 3),
             "decode_and_ledger": round(ledger_s, 3),
-            "python_decode_and_ledger": round(python_ledger_s, 3),
+            "sql_fold_decode_and_ledger": round(sql_ledger_s, 3),
         },
         "rates_per_s": {
             "baseline_read_bytes": round(count / baseline_s),
             "decode": round(count / decode_s),
             "python_decode": round(count / python_decode_s),
             "decode_and_ledger": round(count / ledger_s),
-            "python_decode_and_ledger": round(count / python_ledger_s),
+            "sql_fold_decode_and_ledger": round(count / sql_ledger_s),
         },
         "ratios": {
             "decode_vs_baseline": round(baseline_s / decode_s, 3),
             "python_decode_vs_baseline": round(baseline_s / python_decode_s, 3),
             "ledger_vs_baseline": round(baseline_s / ledger_s, 3),
+            "sql_fold_ledger_vs_baseline": round(baseline_s / sql_ledger_s, 3),
         },
     }
 

@@ -2,7 +2,7 @@
 
 The built-in reader (:mod:`pipeline.source`) builds its batches on the executors directly;
 with the connector the records arrive as a DataFrame instead. :func:`decode_markers_frame`
-decodes them in the JVM where the session has the decoder's jar (:mod:`pipeline.jvm_decoder`,
+decodes them in the JVM where the session has the decoder's jar (:mod:`pipeline.jvm_jar`,
 the same rules and error texts as the C decoder), else with the same batch builders as the
 built-in reader in ``mapInArrow``; :func:`decode_dlq_frame` always does the latter. A marker
 decodes the same whatever read it. Apart because only this path needs the Spark DataFrame API
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from pipeline.arrow_columns import epoch_millis
-from pipeline.jvm_decoder import FUNCTION, register_decoder
+from pipeline.jvm_jar import FUNCTION, register_decoder
 from pipeline.marker_batches import markers_batch
 from pipeline.record_batches import dlq_batch
 from pipeline.record_schemas import arrow_schema, spark_schema
@@ -73,7 +73,7 @@ def decode_markers_frame(raw: DataFrame, *, decoder: str = "auto") -> DataFrame:
     """Decode a DataFrame shaped like Spark's ``kafka`` source into the markers schema.
 
     ``raw`` needs ``partition``, ``offset``, ``timestamp`` and ``value`` (extra columns are
-    ignored). ``decoder``: ``"jvm"`` decodes in the JVM (:mod:`pipeline.jvm_decoder`: the
+    ignored). ``decoder``: ``"jvm"`` decodes in the JVM (:mod:`pipeline.jvm_jar`: the
     records never leave it), ``"python"`` on the executors' Python workers, in Arrow batches,
     with ``decode_batch``; ``"auto"`` (default) the JVM where the session has its jar. Both
     give the same rows.
@@ -93,7 +93,7 @@ def decode_markers_frame(raw: DataFrame, *, decoder: str = "auto") -> DataFrame:
         if decoder == "jvm":
             raise RuntimeError(
                 "the JVM marker decoder is not on this session's classpath "
-                "(see python -m pipeline.jvm_decoder)"
+                "(see python -m pipeline.jvm_jar)"
             )
     schema = spark_schema("markers")
     mapper = _markers_mapper(arrow_schema(schema))

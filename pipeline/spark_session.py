@@ -76,7 +76,7 @@ def build_session(
     """
     from pyspark.sql import SparkSession  # noqa: PLC0415 - pyspark is optional
 
-    from pipeline.jvm_decoder import decoder_jar, with_decoder_jar  # noqa: PLC0415
+    from pipeline.jvm_jar import pipeline_jar, with_pipeline_jar  # noqa: PLC0415
     from pipeline.source import register  # noqa: PLC0415
 
     submitted = launched_by_spark_submit()
@@ -96,9 +96,9 @@ def build_session(
     ship = ship_code if ship_code is not None else not local
     if not submitted:
         settings[_DRIVER_JAVA_OPTIONS] = quiet_logging(settings.get(_DRIVER_JAVA_OPTIONS, ""))
-        jar = decoder_jar()
-        if jar is not None:  # to the driver and every executor (pipeline/jvm_decoder.py)
-            settings["spark.jars"] = with_decoder_jar(settings.get("spark.jars", ""), jar)
+        jar = pipeline_jar()
+        if jar is not None:  # to the driver and every executor (pipeline/jvm_jar.py)
+            settings["spark.jars"] = with_pipeline_jar(settings.get("spark.jars", ""), jar)
         if ship:
             settings.update(shipping_conf(code_archive(), settings))
     for key, value in settings.items():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure a JDK compiler (javac) is installed: the Spark pipeline's JVM marker decoder
-# (pipeline/jvm_decoder.py) is compiled with it, and `make test` requires it. A no-op when
+# (pipeline/jvm_jar.py) is compiled with it, and `make test` requires it. A no-op when
 # javac is found ($JAVA_HOME/bin/javac or on the PATH); installs Debian's
 # openjdk-17-jdk-headless with apt-get when running as root, and otherwise says what to run.
 set -euo pipefail

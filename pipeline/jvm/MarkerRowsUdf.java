@@ -9,7 +9,7 @@
  * It implements exactly the rules of the C decoder (tracker/_speedups.c) with the same error
  * texts, and expands a range marker into one row per covered offset as ``marker_columns`` does;
  * tests/spark_pipeline/test_jvm_decoder.py checks that both give the same rows on valid,
- * corrupted and random values. pipeline/jvm_decoder.py builds it (javac against PySpark's jars)
+ * corrupted and random values. pipeline/jvm_jar.py builds it (javac against PySpark's jars)
  * and registers it as the SQL function ``kmq_marker_rows``.
  *
  * Row fields, in order (the ``markers`` format after its record position and timestamp): kind,

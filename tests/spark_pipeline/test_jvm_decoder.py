@@ -1,7 +1,7 @@
 """The JVM marker decoder gives exactly the rows of the Python one (the C decoder's columns).
 
 ``decode_markers_frame`` decodes in the JVM where the session has the decoder's jar
-(pipeline/jvm_decoder.py): the same rules as the C decoder, re-written in Java, so every test
+(pipeline/jvm_jar.py): the same rules as the C decoder, re-written in Java, so every test
 here decodes the same values both ways and compares whole rows, error texts included: valid
 markers of both versions (ranges expanded into rows), every kind of garbage the markers fuzz
 test produces, single-byte corruptions and truncations of valid values, random bytes behind
@@ -27,7 +27,7 @@ from reliability.markers_fuzz import GARBAGE, raw_marker
 from support.marker_strategies import markers, range_markers
 from support.protocol_vectors import documented_vectors
 
-from pipeline import jvm_decoder
+from pipeline import jvm_jar
 from pipeline.connector_frames import decode_markers_frame
 from tracker.errors import MarkerError
 from tracker.ids import MessageId
@@ -73,15 +73,15 @@ def test_the_jvm_decoder_is_built_where_required(spark: SparkSession) -> None:
     """CI sets KMQ_REQUIRE_SPEEDUPS: there the JDK is present, so the session must decode in
     the JVM, not fall back to Python without a word."""
     if os.environ.get("KMQ_REQUIRE_SPEEDUPS"):
-        assert jvm_decoder.register_decoder(spark)
+        assert jvm_jar.register_decoder(spark)
     plan = decode_markers_frame(_raw(spark, [None]))._jdf.queryExecution().analyzed().toString()
-    assert (jvm_decoder.FUNCTION in plan) == jvm_decoder.register_decoder(spark)
+    assert (jvm_jar.FUNCTION in plan) == jvm_jar.register_decoder(spark)
 
 
 def test_a_session_without_the_class_falls_back_to_python(spark: SparkSession) -> None:
     """Under spark-submit without --jars the class is missing: registering says so (no
     exception), so decoding takes the Python path."""
-    assert not jvm_decoder.register_decoder(
+    assert not jvm_jar.register_decoder(
         spark, function="kmq_missing_rows", class_name="kmq.pipeline.NoSuchUdf"
     )
     assert not spark.catalog.functionExists("kmq_missing_rows")
@@ -216,32 +216,34 @@ def test_an_unknown_decoder_is_refused(spark: SparkSession) -> None:
 def test_the_jar_is_built_into_the_cache_named_by_source_and_spark_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    javac = jvm_decoder.find_javac()
+    javac = jvm_jar.find_javac()
     if os.environ.get("KMQ_REQUIRE_SPEEDUPS"):
         assert javac is not None, "make test needs a JDK compiler for the JVM marker decoder"
-    monkeypatch.setenv(jvm_decoder.CACHE_ENV, str(tmp_path))
-    jar = jvm_decoder.decoder_jar()
+    monkeypatch.setenv(jvm_jar.CACHE_ENV, str(tmp_path))
+    jar = jvm_jar.pipeline_jar()
     if javac is None:  # nothing built: the pipeline decodes in Python
         assert jar is None
         assert list(tmp_path.iterdir()) == []
         return
     assert jar is not None
-    assert jar == jvm_decoder.jar_path()
+    assert jar == jvm_jar.jar_path()
     assert jar.parent == tmp_path
     with zipfile.ZipFile(jar) as built:
-        assert "kmq/pipeline/MarkerRowsUdf.class" in built.namelist()
+        assert {"kmq/pipeline/MarkerRowsUdf.class", "kmq/pipeline/LedgerFold.class"} <= set(
+            built.namelist()
+        )
     assert [p.name for p in tmp_path.iterdir()] == [jar.name]  # no partial file left
 
 
 def test_without_a_compiler_the_build_step_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(jvm_decoder.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(jvm_decoder, "find_javac", lambda: None)
-    assert jvm_decoder.main([]) == 1
+    monkeypatch.setenv(jvm_jar.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(jvm_jar, "find_javac", lambda: None)
+    assert jvm_jar.main([]) == 1
     assert "no javac found" in capsys.readouterr().err
-    assert jvm_decoder.main(["--if-possible"]) == 0
-    assert jvm_decoder.decoder_jar() is None
+    assert jvm_jar.main(["--if-possible"]) == 0
+    assert jvm_jar.pipeline_jar() is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -251,20 +253,20 @@ def test_a_failed_compile_is_reported_with_the_compiler_output(
     javac = tmp_path / "javac"
     javac.write_text("#!/bin/sh\necho 'error: cannot find symbol UDF1' >&2\nexit 2\n")
     javac.chmod(0o755)
-    monkeypatch.setenv(jvm_decoder.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(jvm_decoder, "find_javac", lambda: str(javac))
-    assert jvm_decoder.main([]) == 1
+    monkeypatch.setenv(jvm_jar.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(jvm_jar, "find_javac", lambda: str(javac))
+    assert jvm_jar.main([]) == 1
     assert "cannot find symbol UDF1" in capsys.readouterr().err
-    assert jvm_decoder.decoder_jar() is None  # logged; the pipeline decodes in Python
-    with pytest.raises(jvm_decoder.JvmDecoderBuildError, match="javac failed"):
-        jvm_decoder.build_jar(str(javac), tmp_path / "x.jar")
+    assert jvm_jar.pipeline_jar() is None  # logged; the pipeline decodes in Python
+    with pytest.raises(jvm_jar.JarBuildError, match="javac failed"):
+        jvm_jar.build_jar(str(javac), tmp_path / "x.jar")
 
 
 def test_a_build_removes_cached_jars_unused_for_a_month_and_use_marks_a_jar(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(jvm_decoder.CACHE_ENV, str(tmp_path))
-    month_ago = time.time() - (jvm_decoder.UNUSED_DAYS + 1) * 86_400
+    monkeypatch.setenv(jvm_jar.CACHE_ENV, str(tmp_path))
+    month_ago = time.time() - (jvm_jar.UNUSED_DAYS + 1) * 86_400
     week_ago = time.time() - 7 * 86_400
     stale = tmp_path / "kmq-marker-rows-00000000000000aa.jar"
     stale_partial = tmp_path / "kmq-marker-rows-00000000000000bb.jar.123.part"
@@ -280,21 +282,21 @@ def test_a_build_removes_cached_jars_unused_for_a_month_and_use_marks_a_jar(
         target.write_bytes(b"built")
         return target
 
-    monkeypatch.setattr(jvm_decoder, "find_javac", lambda: "/usr/bin/javac")
-    monkeypatch.setattr(jvm_decoder, "build_jar", fake_build)
-    jar = jvm_decoder.ensure_jar()
+    monkeypatch.setattr(jvm_jar, "find_javac", lambda: "/usr/bin/javac")
+    monkeypatch.setattr(jvm_jar, "build_jar", fake_build)
+    jar = jvm_jar.ensure_jar()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [jar.name, in_use.name, not_ours.name]
     )
     # A cached jar is marked as used each time a session takes it, so it is never stale
     # while some installation still uses it.
     os.utime(jar, (month_ago, month_ago))
-    assert jvm_decoder.ensure_jar() == jar
+    assert jvm_jar.ensure_jar() == jar
     assert jar.stat().st_mtime > week_ago
 
 
 def test_the_jar_joins_the_jars_a_session_already_asks_for() -> None:
     jar = Path("/cache/kmq-marker-rows-0123.jar")
-    assert jvm_decoder.with_decoder_jar("", jar) == str(jar)
-    assert jvm_decoder.with_decoder_jar("a.jar,b.jar", jar) == f"a.jar,b.jar,{jar}"
-    assert jvm_decoder.with_decoder_jar(f"a.jar,{jar}", jar) == f"a.jar,{jar}"
+    assert jvm_jar.with_pipeline_jar("", jar) == str(jar)
+    assert jvm_jar.with_pipeline_jar("a.jar,b.jar", jar) == f"a.jar,b.jar,{jar}"
+    assert jvm_jar.with_pipeline_jar(f"a.jar,{jar}", jar) == f"a.jar,{jar}"

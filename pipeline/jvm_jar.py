@@ -1,20 +1,26 @@
-"""The JVM marker decoder (``pipeline/jvm/MarkerRowsUdf.java``): built, handed to Spark, registered.
+"""The pipeline's jar (``pipeline/jvm/*.java``): built, handed to Spark, its decoder registered.
 
-Decoding markers in Python (``mapInArrow`` with the C decoder) moves every record from the JVM
-to a Python worker and every decoded column back; that round trip, not the decoding, was 85 %
-of the decode step (docs/benchmarks.md, change 61). Where the records already are in the JVM
-(Spark's ``kafka`` connector, Parquet), they are decoded there by a Java UDF that applies the
-C decoder's rules with its error texts; ``tests/spark_pipeline/test_jvm_decoder.py`` holds the
-two to the same rows.
+It holds the two parts of the pipeline that run in the JVM, because moving rows between the
+JVM and Python workers, or through Spark SQL's aggregation buffers, cost more than the work:
 
-The jar is built from the source shipped in this package, with the JDK's ``javac`` (from
+* the marker decoder (``MarkerRowsUdf.java``). Decoding markers in Python (``mapInArrow`` with
+  the C decoder) moves every record from the JVM to a Python worker and every decoded column
+  back; that round trip, not the decoding, was 85 % of the decode step (docs/benchmarks.md,
+  change 61). Where the records already are in the JVM (Spark's ``kafka`` connector, Parquet),
+  they are decoded there by a Java UDF that applies the C decoder's rules with its error texts;
+  ``tests/spark_pipeline/test_jvm_decoder.py`` holds the two to the same rows;
+* the ledger fold (``LedgerFold.java``, used by :func:`pipeline.ledger_fold.build_ledger`): one
+  pass over each message's sorted markers instead of two SQL aggregations
+  (``tests/spark_pipeline/test_ledger_fold_jvm.py`` holds it to the SQL fold's rows).
+
+The jar is built from the sources shipped in this package, with the JDK's ``javac`` (from
 ``JAVA_HOME`` or the ``PATH``) against PySpark's own jars, into a cache directory
-(``KMQ_JVM_CACHE``, default ``~/.cache/kmq-tracker/jvm``) under a name that hashes the source
+(``KMQ_JVM_CACHE``, default ``~/.cache/kmq-tracker/jvm``) under a name that hashes the sources
 and the Spark version, so a stale build is never used. ``make install`` builds it ahead
-(``python -m pipeline.jvm_decoder``); :func:`pipeline.spark_session.build_session` builds it
+(``python -m pipeline.jvm_jar``); :func:`pipeline.spark_session.build_session` builds it
 if missing and hands it to the driver and every executor with ``spark.jars``. Where
 no compiler is found, or under ``spark-submit`` without ``--jars`` naming the jar, markers are
-decoded in Python as before: same rows, slower.
+decoded in Python and the ledger folded in Spark SQL, as before: same rows, slower.
 """
 
 from __future__ import annotations
@@ -48,11 +54,11 @@ CACHE_ENV = "KMQ_JVM_CACHE"
 log = logging.getLogger(__name__)
 
 
-class JvmDecoderBuildError(RuntimeError):
-    """``javac`` refused the decoder's source (a Spark whose API moved, a broken JDK)."""
+class JarBuildError(RuntimeError):
+    """``javac`` refused the sources (a Spark whose API moved, a broken JDK)."""
 
 
-class NoJavacError(JvmDecoderBuildError):
+class NoJavacError(JarBuildError):
     """No JDK compiler was found (a JRE only, or no Java at all)."""
 
 
@@ -80,11 +86,12 @@ def jar_path() -> Path:
     return cache / f"{_JAR_PREFIX}{digest[:16]}.jar"
 
 
+#: (Named when the jar held the decoder alone; kept, so the cache still prunes older builds.)
 _JAR_PREFIX = "kmq-marker-rows-"
 
 
 def build_jar(javac: str, target: Path) -> Path:
-    """Compile the decoder into ``target`` (written whole, then renamed: builds that race
+    """Compile the sources into ``target`` (written whole, then renamed: builds that race
     each other, as test processes may, each leave a complete jar)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kmq-jvm-") as work:
@@ -106,7 +113,7 @@ def build_jar(javac: str, target: Path) -> Path:
             check=False,
         )
         if done.returncode != 0:
-            raise JvmDecoderBuildError(f"javac failed on {_JVM_DIR}:\n{done.stderr.strip()}")
+            raise JarBuildError(f"javac failed on {_JVM_DIR}:\n{done.stderr.strip()}")
         partial = target.with_name(f"{target.name}.{os.getpid()}.part")
         with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as jar:
             for path in sorted(classes.rglob("*.class")):
@@ -116,8 +123,8 @@ def build_jar(javac: str, target: Path) -> Path:
 
 
 def ensure_jar() -> Path:
-    """The decoder's jar, built now if it is not cached yet. Raises :class:`NoJavacError`
-    without a JDK compiler, :class:`JvmDecoderBuildError` if the compiler refuses.
+    """The pipeline's jar, built now if it is not cached yet. Raises :class:`NoJavacError`
+    without a JDK compiler, :class:`JarBuildError` if the compiler refuses.
 
     A jar found is marked as used (its modification time); a build then removes the jars
     of the cache not used for :data:`UNUSED_DAYS` (:func:`prune_cache`).
@@ -140,7 +147,7 @@ UNUSED_DAYS = 30
 
 
 def prune_cache(cache: Path, *, keep: Path) -> list[Path]:
-    """Remove the decoder jars of ``cache`` (and partial builds) not used for
+    """Remove the pipeline jars of ``cache`` (and partial builds) not used for
     :data:`UNUSED_DAYS`, except ``keep``; returns what was removed.
 
     Each new source or Spark version builds a jar of its own, and the old ones were never
@@ -160,25 +167,29 @@ def prune_cache(cache: Path, *, keep: Path) -> list[Path]:
                 path.unlink()
                 removed.append(path)
     if removed:
-        log.info("removed %d unused decoder jar(s) from %s", len(removed), cache)
+        log.info("removed %d unused pipeline jar(s) from %s", len(removed), cache)
     return removed
 
 
-def decoder_jar() -> Path | None:
+def pipeline_jar() -> Path | None:
     """:func:`ensure_jar`, or ``None`` (logged) when it cannot be built: markers are then
-    decoded in Python."""
+    decoded in Python and the ledger folded in Spark SQL."""
     try:
         return ensure_jar()
     except NoJavacError:
         # Only raw records read with Spark's connector decode in the JVM: no warning per run
         # for the many jobs that never do.
         log.info("no javac found: markers read as raw records decode in Python (slower)")
-    except (JvmDecoderBuildError, OSError) as exc:
-        log.warning("the JVM marker decoder was not built (%s): markers decode in Python", exc)
+    except (JarBuildError, OSError) as exc:
+        log.warning(
+            "the pipeline's jar was not built (%s): markers decode in Python, the ledger "
+            "folds in Spark SQL",
+            exc,
+        )
     return None
 
 
-def with_decoder_jar(jars: str, jar: Path) -> str:
+def with_pipeline_jar(jars: str, jar: Path) -> str:
     """A ``spark.jars`` value with ``jar`` added to the ones already asked for."""
     listed = [j for j in jars.split(",") if j]
     return ",".join([*listed, str(jar)] if str(jar) not in listed else listed)
@@ -210,8 +221,8 @@ _POSITION_COLUMNS = ("markers_partition", "markers_offset", "timestamp")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeline.jvm_decoder``: build the jar (if needed) and print its path."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.jvm_decoder", description=__doc__)
+    """``python -m pipeline.jvm_jar``: build the jar (if needed) and print its path."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.jvm_jar", description=__doc__)
     parser.add_argument(
         "--if-possible",
         action="store_true",
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except NoJavacError as exc:
         print(exc, file=sys.stderr)
         return 0 if args.if_possible else 1
-    except JvmDecoderBuildError as exc:
+    except JarBuildError as exc:
         print(exc, file=sys.stderr)
         return 1
     return 0
