@@ -308,7 +308,12 @@ def _fold_input(markers: DataFrame, dlq: DataFrame | None) -> DataFrame:
     )
     if dlq is None:
         return rows
-    letters = dlq.where(c("error").isNull()).select(
+    # A join never matches a null key part (the SQL fold joins its dead letters), while the
+    # fold's grouping does: such dead letters name no message. The decoders never make one.
+    named = c("error").isNull()
+    for column in KEY:
+        named &= c(column).isNotNull()
+    letters = dlq.where(named).select(
         *KEY,
         F.lit(1).alias("src"),
         c("attempts").alias("attempt"),
