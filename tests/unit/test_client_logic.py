@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import warnings
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -296,6 +298,20 @@ def test_a_consumer_refuses_names_no_marker_can_carry(
         KmqConsumer(
             "orders", group_id=group_id, consumer_id=consumer_id, bootstrap_servers="127.0.0.1:9"
         )
+
+
+async def test_a_consumer_never_started_closes_its_clients_when_stopped() -> None:
+    """Stopping a consumer that was never started (a start that was never reached) closes
+    the aiokafka consumer and producer it made: collected unstopped, they warn, and under
+    ``filterwarnings = error`` the warning fails the test. Stopping again does nothing."""
+    consumer = KmqConsumer("orders", group_id="billing", bootstrap_servers="127.0.0.1:9")
+    await consumer.stop()
+    await consumer.stop()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del consumer
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 def test_a_long_consumer_id_is_cut_to_what_a_marker_carries() -> None:

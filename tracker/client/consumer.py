@@ -198,6 +198,7 @@ class KmqConsumer:
         self._context = MessageContext(group_id, self._sink, self._book)
         self._commits = OffsetCommits(self._consumer)
         self._running = False
+        self._clients_closed = False  #: the aiokafka clients were stopped (by stop or start)
         self._handed_out = False  #: messages were taken with getmany/iteration
         self._pool: WorkerPool | None = None  #: run()'s pool, while it runs
         self._counts = HandOverCounts()
@@ -259,6 +260,10 @@ class KmqConsumer:
         when ``stop()`` is called again (by ``async with``, for one).
         """
         if not self._running:
+            if not self._clients_closed:
+                # Made and never started: aiokafka's clients exist from the constructor on and
+                # warn ("Unclosed AIOKafkaConsumer") when collected unstopped.
+                await self._close_clients()
             return
         pool = self._pool
         if pool is not None:
@@ -282,6 +287,7 @@ class KmqConsumer:
             await self._close_clients()
 
     async def _close_clients(self) -> None:
+        self._clients_closed = True
         try:
             await stop_consumer(self._consumer)
         finally:
