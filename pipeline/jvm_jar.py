@@ -77,7 +77,7 @@ def _spark_jars() -> Path:
 
 
 def jar_path() -> Path:
-    """Where the jar for this source and this Spark version is (or would be) cached."""
+    """Where the jar for these sources and this Spark version is (or would be) cached."""
     import pyspark  # noqa: PLC0415
 
     sources = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in SOURCES)

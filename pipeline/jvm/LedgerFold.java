@@ -234,11 +234,8 @@ public final class LedgerFold implements MapPartitionsFunction<Row, Row> {
       attempts = Order.max(attempts, a.number);
       deliveries += a.starts;
       Long processing = a.processingMs();
-      Long requested = a.requestedDelayMs();
       totalProcessingMs = Order.sum(totalProcessingMs, processing);
-      totalDelayMs = Order.sum(totalDelayMs, requested);
-      a.processing = processing;
-      a.requested = requested;
+      totalDelayMs = Order.sum(totalDelayMs, a.requestedDelayMs());
       history.add(a);
       if (a.number != null) { // attempts come in ascending order: the last one is the latest
         latest =
@@ -306,8 +303,6 @@ public final class LedgerFold implements MapPartitionsFunction<Row, Row> {
     Row outcome; // the first ACK, REJECT or non-deferred DELAY
     boolean deferredSeen;
     Long deferredDueMs; // the first deferred DELAY's due time
-    Long processing; // START to outcome
-    Long requested; // the retry delay the consumer asked for
 
     Attempt(Integer number) {
       this.number = number;
@@ -403,24 +398,16 @@ public final class LedgerFold implements MapPartitionsFunction<Row, Row> {
       Row record = firstStart != null ? firstStart : firstRow;
       String kind = outcomeKind();
       String consumer = firstStart == null ? null : (String) firstStart.get(CONSUMER);
-      String label;
+      String label; // an outcome is an ACK, a DELAY or a REJECT (see add)
       if (kind == null) {
         label = timedOut ? "timed_out" : "open";
       } else {
-        switch (kind) {
-          case "ACK":
-            label = "acked";
-            break;
-          case "DELAY":
-            label = "retried";
-            break;
-          case "REJECT":
-            label = "rejected";
-            break;
-          default:
-            label = timedOut ? "timed_out" : "open";
-            break;
-        }
+        label =
+            switch (kind) {
+              case "ACK" -> "acked";
+              case "DELAY" -> "retried";
+              default -> "rejected";
+            };
       }
       boolean retried = "DELAY".equals(kind);
       return RowFactory.create(
@@ -435,8 +422,8 @@ public final class LedgerFold implements MapPartitionsFunction<Row, Row> {
           extendsCount,
           label,
           outcome == null ? null : instant((Long) outcome.get(TS)),
-          processing,
-          requested,
+          processingMs(),
+          requestedDelayMs(),
           retried && Boolean.TRUE.equals(outcome.get(POLICY_DELAY)),
           retried || "REJECT".equals(kind) ? outcomeReason() : null,
           instant(deferredDueMs));

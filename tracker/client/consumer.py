@@ -198,7 +198,8 @@ class KmqConsumer:
         self._context = MessageContext(group_id, self._sink, self._book)
         self._commits = OffsetCommits(self._consumer)
         self._running = False
-        self._clients_closed = False  #: the aiokafka clients were stopped (by stop or start)
+        #: the aiokafka clients were stopped (by stop, or by a start that failed)
+        self._clients_closed = False
         self._handed_out = False  #: messages were taken with getmany/iteration
         self._pool: WorkerPool | None = None  #: run()'s pool, while it runs
         self._counts = HandOverCounts()
