@@ -31,7 +31,6 @@ from pipeline.ledger_compaction import (
     compact_if_due,
 )
 from pipeline.ledger_fold import (
-    CONTENT_HASH,
     FINAL_STATES,
     KEY,
     LEDGER_KEY,
@@ -41,6 +40,7 @@ from pipeline.ledger_fold import (
     fingerprint,
     orphan_dead_letters,
 )
+from pipeline.ledger_schemas import CONTENT_HASH
 from pipeline.ledger_store import (
     DLQ_HISTORY_DIR,
     LEDGER_DIR,

@@ -30,15 +30,8 @@ from typing import Any
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import (
-    IntegerType,
-    LongType,
-    StringType,
-    StructType,
-    TimestampType,
-)
 
-from pipeline.record_schemas import spark_schema
+from pipeline.ledger_schemas import FOLDED_SCHEMA
 from tracker.clock import to_millis
 
 #: The key of a logical message in marker / DLQ columns.
@@ -257,14 +250,13 @@ def build_ledger(
     """
     if fold not in FOLDS:
         raise ValueError(f"unknown fold {fold!r}; expected one of {list(FOLDS)}")
-    per_key = _per_key_sql(markers, dlq, params)
     fold_class = None if fold == "sql" else jvm_fold_class(markers.sparkSession)
     if fold_class is not None:
-        per_key = _per_key_jvm(fold_class, markers, dlq, params, per_key.schema)
+        per_key = _per_key_jvm(fold_class, markers, dlq, params)
         return _ledger_rows(per_key, params, timed_out_marked=True)
     if fold == "jvm":
         raise LedgerError("the JVM fold is not on this session's classpath (pipeline/jvm_jar.py)")
-    return _ledger_rows(per_key, params, timed_out_marked=False)
+    return _ledger_rows(_per_key_sql(markers, dlq, params), params, timed_out_marked=False)
 
 
 def jvm_fold_class(spark: SparkSession) -> Any | None:
@@ -281,6 +273,8 @@ def jvm_fold_class(spark: SparkSession) -> Any | None:
 
 #: The fold's class (pipeline/jvm/LedgerFold.java).
 FOLD_CLASS = "kmq.pipeline.LedgerFold"
+#: What the JVM fold makes, as the JSON it is handed (Spark's schema JSON).
+_FOLDED_SCHEMA_JSON = FOLDED_SCHEMA.json()
 
 
 def _fold_input(markers: DataFrame, dlq: DataFrame | None) -> DataFrame:
@@ -339,13 +333,13 @@ def _per_key_jvm(
     markers: DataFrame,
     dlq: DataFrame | None,
     params: LedgerParams,
-    schema: StructType,
 ) -> DataFrame:
-    """:func:`_per_key_sql`'s rows, folded in the JVM (pipeline/jvm/LedgerFold.java)."""
+    """:func:`_per_key_sql`'s rows, folded in the JVM (pipeline/jvm/LedgerFold.java), as
+    :data:`~pipeline.ledger_schemas.FOLDED_SCHEMA` declares them."""
     from pyspark.sql.classic.dataframe import DataFrame as ClassicDataFrame  # noqa: PLC0415
 
     rows = _fold_input(markers, dlq)
-    folded = fold_class.fold(rows._jdf, schema.json(), params.default_timeout_ms)
+    folded = fold_class.fold(rows._jdf, _FOLDED_SCHEMA_JSON, params.default_timeout_ms)
     return ClassicDataFrame(folded, markers.sparkSession)
 
 
@@ -481,31 +475,6 @@ def _ledger_rows(per_key: DataFrame, params: LedgerParams, *, timed_out_marked: 
         history.alias("history"),
         F.to_date(F.timestamp_millis("first_seen_ms")).alias("date"),
     )
-
-
-def ledger_schema(spark: SparkSession) -> StructType:
-    """The schema of ledger rows as :func:`build_ledger` makes them (without run columns)."""
-    markers = spark.createDataFrame([], spark_schema("markers"))
-    dlq = spark.createDataFrame([], spark_schema("dlq"))
-    return build_ledger(markers, dlq, LedgerParams(as_of=datetime.now(UTC))).schema
-
-
-def stored_schema(spark: SparkSession) -> StructType:
-    """Ledger rows as stored: the built columns plus the run that wrote them."""
-    schema = ledger_schema(spark)
-    for name, data_type in (
-        ("run_seq", IntegerType()),
-        ("run_id", StringType()),
-        ("as_of", TimestampType()),
-        (CONTENT_HASH, LongType()),
-    ):
-        schema = schema.add(name, data_type)
-    return schema
-
-
-#: The stored column with a row's :func:`fingerprint`: the next run compares against it
-#: without reading the row's other columns (null in rows written before it existed).
-CONTENT_HASH = "content_hash"
 
 
 def fingerprint(ledger: DataFrame, columns: Sequence[str]) -> Column:

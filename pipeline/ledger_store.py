@@ -21,7 +21,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DateType, IntegerType, StringType, StructType
 
 from pipeline.hadoop_fs import join_path, path_exists
-from pipeline.ledger_fold import LEDGER_KEY, stored_schema
+from pipeline.ledger_fold import LEDGER_KEY
+from pipeline.ledger_schemas import STORED_SCHEMA
 from pipeline.record_schemas import spark_schema
 from pipeline.run_log import LedgerRun, RunLog, read_run_log
 
@@ -111,7 +112,7 @@ def committed_rows(spark: SparkSession, root: str, runs: RunLog) -> DataFrame | 
     """Every stored version of every ledger row that counts (None: none yet)."""
     if runs.latest is None:
         return None
-    rows = read_parquet(spark, join_path(root, LEDGER_DIR), stored_schema(spark))
+    rows = read_parquet(spark, join_path(root, LEDGER_DIR), STORED_SCHEMA)
     return None if rows is None else committed(rows, runs)
 
 

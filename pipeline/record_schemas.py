@@ -1,7 +1,7 @@
 """The columns of the Kafka reader's formats (``markers``, ``dlq``, ``raw``), for Spark and Arrow.
 
-Apart from the code that fills them because the driver needs only the shapes: the ledger and
-its fold build empty frames from :func:`spark_schema`, the bulk redrive turns its manifest
+Apart from the code that fills them because the driver needs only the shapes: the readers
+build empty frames from :func:`spark_schema`, the bulk redrive turns its manifest
 schema into Arrow with :func:`arrow_schema`, and neither should load the marker decoder to
 do so. The DDL strings are also the one place that documents each format's columns.
 """

@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 from pyspark.sql import SparkSession
+from pyspark.sql.types import StructType
 from support.broker import create_topics
 
 from pipeline import ledger_store
 from pipeline.audit import audit_ledger
 from pipeline.ledger import LedgerJob, run_ledger
-from pipeline.ledger_fold import CONTENT_HASH, LedgerParams, as_utc
+from pipeline.ledger_fold import LedgerParams, as_utc
+from pipeline.ledger_schemas import CONTENT_HASH, STORED_SCHEMA
 from pipeline.ledger_store import load_ledger
 from pipeline.report import build_report, render_html, write_report
 from pipeline.run_log import ARCHIVE_DIR, read_run_log
@@ -73,6 +75,12 @@ def _check(row: dict[str, Any], want: Expected) -> None:
     assert (row["expected_by"] is None) == (want.pending is None), what
 
 
+def _types(schema: StructType) -> dict[str, str]:
+    """Column types by name; a Parquet file keeps neither nullability nor column order (the
+    partition columns come last)."""
+    return {f.name: f.dataType.simpleString() for f in schema}
+
+
 async def _topics(bootstrap: str, topic_factory: TopicFactory) -> tuple[str, str]:
     topic = await topic_factory(partitions=2, prefix="orders")
     markers = await topic_factory(partitions=3, prefix="markers")
@@ -95,6 +103,9 @@ async def test_ledger_rows_audit_and_report_match_the_known_outcomes(
     assert (run.invalid_markers, run.orphan_dlq_records, run.dlq_records_read) == (1, 1, 4)
     assert run.rows_written == len(expected)
 
+    # Readers read the stored rows with the declared schema: it names what a run writes.
+    stored = spark.read.parquet(f"{root}/ledger").schema
+    assert _types(stored) == _types(STORED_SCHEMA)
     rows = _rows(spark, root)
     assert set(rows) == {(e.group, e.offset) for e in expected}
     for want in expected:
