@@ -38,8 +38,8 @@ from pipeline.ledger_fold import (
     STATES_TIME_MOVES,
     LedgerParams,
     build_ledger,
+    count_orphan_dead_letters,
     fingerprint,
-    orphan_dead_letters,
 )
 from pipeline.ledger_schemas import CONTENT_HASH
 from pipeline.ledger_store import (
@@ -257,7 +257,7 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
         new_dlq = dlq_history.where(this_run)
         dlq_history = committed(dlq_history, runs, run.run_id).drop("run_seq", "run_id", "date")
         if run.dlq_records_read:
-            run.orphan_dlq_records = orphan_dead_letters(new_dlq, history).count()
+            run.orphan_dlq_records = count_orphan_dead_letters(new_dlq, history)
 
     previous = _current_state(spark, job.output, runs)
     touched = None

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -244,7 +245,7 @@ def build_ledger(
     """The ledger rows of every message in ``markers`` (decoded markers, MARKERS_DDL).
 
     ``dlq`` (DLQ_DDL) confirms dead letters; records of messages with no marker here are
-    ignored (see :func:`orphan_dead_letters`). No Python UDF runs: the fold is Spark SQL or,
+    ignored (see :func:`count_orphan_dead_letters`). No Python UDF runs: the fold is Spark SQL or,
     where the session has the pipeline's jar, one pass over the sorted markers in the JVM
     (``fold``, see :data:`FOLDS`); both give the same rows.
     """
@@ -486,7 +487,20 @@ def fingerprint(ledger: DataFrame, columns: Sequence[str]) -> Column:
     return F.xxhash64(*[ledger[c] for c in columns])
 
 
-def orphan_dead_letters(dlq: DataFrame, markers: DataFrame) -> DataFrame:
-    """DLQ records naming a message no marker mentions (outside the range read, or not ours)."""
-    keys = markers.where(F.col("error").isNull()).select(*KEY).distinct()
-    return dlq.where(F.col("error").isNull()).join(keys, KEY, "left_anti")
+def count_orphan_dead_letters(dlq: DataFrame, markers: DataFrame) -> int:
+    """How many DLQ records name a message no marker mentions (outside the range read, or
+    not ours).
+
+    The dead letters' keys are taken and kept first: they are few against the markers (a
+    run's new dead letters against the whole history), and with their number known Spark
+    broadcasts them and filters the markers as it reads them; asked for the markers' keys
+    first, it shuffled every marker's key.
+    """
+    letters = dlq.where(F.col("error").isNull())
+    keys = letters.select(*KEY).distinct().persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        keys.count()
+        named = markers.where(F.col("error").isNull()).join(keys, KEY, "left_semi")
+        return letters.join(named.select(*KEY).distinct(), KEY, "left_anti").count()
+    finally:
+        keys.unpersist()
