@@ -298,7 +298,7 @@ def _touched(previous: DataFrame, new_records: Sequence[DataFrame]) -> DataFrame
     run's main job is planned, so where it is small (as in a run every few minutes) Spark
     broadcasts it and filters the history as it reads it. Planned without that size, it
     shuffled the whole history by message key before the filter (1,060,004 markers to
-    rebuild 24,500 messages, 2.5 s of the tasks' time per run; 2026-12-03).
+    rebuild 24,500 messages, 2.5 s of the tasks' time per run; 2026-12-02).
     """
     c = F.col
     new_keys = new_records[0].where(c("error").isNull()).select(*KEY)

@@ -2,7 +2,7 @@
 
 They were derived by planning: ``build_ledger`` on empty frames for the stored rows' schema, and
 the Spark SQL fold's plan for the schema the JVM fold is handed. Spark's analysis of those
-plans took 0.3-0.9 s of the driver's time on each call (warm and cold, 2026-12-03), and a run
+plans took 0.3-0.9 s of the driver's time on each call (warm and cold, 2026-12-02), and a run
 of the ledger job made two or three such calls before any data moved, every reader of the
 ledger (audit, report, redrive) one. Declared, they cost nothing;
 ``tests/spark_pipeline/test_ledger_schemas.py`` holds them equal to what the plans derive, so
