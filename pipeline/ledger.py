@@ -266,11 +266,12 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
         # state), can change: rebuild those from their full history.
         new_records = [new_markers] if new_dlq is None else [new_markers, new_dlq]
         touched = _touched(previous, new_records)
-        keys = touched.select(*KEY)
-        history = history.join(keys, KEY, "left_semi")
-        if dlq_history is not None:
-            dlq_history = dlq_history.join(keys, KEY, "left_semi")
     try:
+        if touched is not None:
+            keys = touched.select(*KEY)
+            history = history.join(keys, KEY, "left_semi")
+            if dlq_history is not None:
+                dlq_history = dlq_history.join(keys, KEY, "left_semi")
         dlq_input = dlq_history if params.dlq_checked else None
         rows = build_ledger(history, dlq_input, params)
         rows = rows.withColumn(CONTENT_HASH, fingerprint(rows, rows.columns))
@@ -289,8 +290,9 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
 
 def _touched(previous: DataFrame, new_records: Sequence[DataFrame]) -> DataFrame:
     """The messages a run rebuilds, with their current rows' content hashes (null: no row
-    yet): those named by a new valid record (``new_records``, in marker or DLQ columns), and
-    the open ones (:func:`_current_state`); materialized.
+    yet, or one stored before the column existed): those named by a new valid record
+    (``new_records``, in marker or DLQ columns), and those whose state time still moves
+    (``in_flight``, ``stuck``: :func:`_current_state`); materialized.
 
     The stored state is scanned once, for both uses (finding the open messages, and the
     hashes that keep unchanged rows from being written again); Spark would prune each use's
@@ -312,7 +314,11 @@ def _touched(previous: DataFrame, new_records: Sequence[DataFrame]) -> DataFrame
     flagged = state.join(new_keys.distinct().withColumn("_new", F.lit(True)), KEY, "full_outer")
     touched = flagged.where(c("_new") | c(_TIME_MOVES)).select(*KEY, CONTENT_HASH)
     touched = touched.persist(StorageLevel.MEMORY_AND_DISK)
-    touched.count()
+    try:
+        touched.count()
+    except BaseException:
+        touched.unpersist()  # `ledger --every` keeps its session after a failed run
+        raise
     return touched
 
 

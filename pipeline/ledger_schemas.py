@@ -91,7 +91,8 @@ FOLDED_SCHEMA = _struct(
     ("total_processing_ms", _LONG, _NULLABLE),
     ("total_delay_ms", _LONG, _NULLABLE),
     ("last_reason", _STRING, _NULLABLE),
-    # Null where no dead letter names the message (a left join); 0 when none were read.
+    # The SQL fold: null where no dead letter names the message (a left join), 0 when none
+    # were read; the JVM fold: 0. The final judgment (ledger_fold._ledger_rows) makes both 0.
     ("dlq_records", _INT, _NULLABLE),
     (
         "dlq",

@@ -13,7 +13,7 @@
  * It computes exactly what pipeline/ledger_fold.py's SQL fold computes (``_per_key_sql``), with
  * Spark's rules for nulls (an aggregate skips them, ``min_by`` takes the value of the least
  * position even when that value is null); tests/spark_pipeline/test_ledger_fold_jvm.py holds
- * the two to the same rows. The output schema is the SQL fold's, handed over as JSON, so the
+ * the two to the same rows. The output schema is ledger_schemas.FOLDED_SCHEMA (the SQL fold's; tests hold them equal), handed over as JSON, so the
  * final projection that both share sees the same columns; one thing is done here that the SQL
  * path does in that projection: an open attempt followed by a later one is marked
  * ``timed_out`` in the history (``_ledger_rows(timed_out_marked=True)``).
