@@ -16,11 +16,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
@@ -40,6 +40,7 @@ from pipeline.ledger_fold import (
     build_ledger,
     count_orphan_dead_letters,
     fingerprint,
+    materialized,
 )
 from pipeline.ledger_schemas import CONTENT_HASH
 from pipeline.ledger_store import (
@@ -260,14 +261,13 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
             run.orphan_dlq_records = count_orphan_dead_letters(new_dlq, history)
 
     previous = _current_state(spark, job.output, runs)
-    touched = None
-    if previous is not None:
-        # Only messages with new markers or DLQ records, and open ones (time moves their
-        # state), can change: rebuild those from their full history.
-        new_records = [new_markers] if new_dlq is None else [new_markers, new_dlq]
-        touched = _touched(previous, new_records)
-    try:
-        if touched is not None:
+    with ExitStack() as kept:
+        touched = None
+        if previous is not None:
+            # Only messages with new markers or DLQ records, and open ones (time moves their
+            # state), can change: rebuild those from their full history.
+            new_records = [new_markers] if new_dlq is None else [new_markers, new_dlq]
+            touched = kept.enter_context(materialized(_touched(previous, new_records)))
             keys = touched.select(*KEY)
             history = history.join(keys, KEY, "left_semi")
             if dlq_history is not None:
@@ -283,21 +283,19 @@ def _write_rows(spark: SparkSession, job: LedgerJob, runs: RunLog, run: LedgerRu
             )
             rows = rows.join(known, [*LEDGER_KEY, CONTENT_HASH], "left_anti")
         _append_rows(rows, job, run)
-    finally:
-        if touched is not None:
-            touched.unpersist()
 
 
 def _touched(previous: DataFrame, new_records: Sequence[DataFrame]) -> DataFrame:
     """The messages a run rebuilds, with their current rows' content hashes (null: no row
     yet, or one stored before the column existed): those named by a new valid record
     (``new_records``, in marker or DLQ columns), and those whose state time still moves
-    (``in_flight``, ``stuck``: :func:`_current_state`); materialized.
+    (``in_flight``, ``stuck``: :func:`_current_state`). The caller keeps it
+    (:func:`~pipeline.ledger_fold.materialized`).
 
-    The stored state is scanned once, for both uses (finding the open messages, and the
-    hashes that keep unchanged rows from being written again); Spark would prune each use's
-    columns differently and scan it twice. Materialized, the set's size is known when the
-    run's main job is planned, so where it is small (as in a run every few minutes) Spark
+    Kept, the stored state is scanned once for both uses (finding the open messages, and
+    the hashes that keep unchanged rows from being written again); Spark would prune each
+    use's columns differently and scan it twice. And the set's size is known when the run's
+    main job is planned, so where it is small (as in a run every few minutes) Spark
     broadcasts it and filters the history as it reads it. Planned without that size, it
     shuffled the whole history by message key before the filter (1,060,004 markers to
     rebuild 24,500 messages, 2.5 s of the tasks' time per run; 2026-12-02).
@@ -312,14 +310,7 @@ def _touched(previous: DataFrame, new_records: Sequence[DataFrame]) -> DataFrame
         _TIME_MOVES,
     )
     flagged = state.join(new_keys.distinct().withColumn("_new", F.lit(True)), KEY, "full_outer")
-    touched = flagged.where(c("_new") | c(_TIME_MOVES)).select(*KEY, CONTENT_HASH)
-    touched = touched.persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        touched.count()
-    except BaseException:
-        touched.unpersist()  # `ledger --every` keeps its session after a failed run
-        raise
-    return touched
+    return flagged.where(c("_new") | c(_TIME_MOVES)).select(*KEY, CONTENT_HASH)
 
 
 def _append_rows(rows: DataFrame, job: LedgerJob, run: LedgerRun) -> None:

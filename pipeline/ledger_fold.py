@@ -23,7 +23,8 @@ Reading and writing the ledger directory, run by run, is :mod:`pipeline.ledger`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -379,10 +380,7 @@ def _per_key_sql(markers: DataFrame, dlq: DataFrame | None, params: LedgerParams
     else:
         per_key = per_key.withColumn("dlq_records", F.lit(0)).withColumn(
             "dlq",
-            F.lit(None).cast(
-                "struct<at_ms:bigint,dlq_topic:string,dlq_partition:int,"
-                "dlq_offset:bigint,reason:string,attempts:int>"
-            ),
+            F.lit(None).cast(FOLDED_SCHEMA["dlq"].dataType),
         )
 
     return per_key
@@ -487,20 +485,33 @@ def fingerprint(ledger: DataFrame, columns: Sequence[str]) -> Column:
     return F.xxhash64(*[ledger[c] for c in columns])
 
 
-def count_orphan_dead_letters(dlq: DataFrame, markers: DataFrame) -> int:
-    """How many DLQ records name a message no marker mentions (outside the range read, or
-    not ours).
+@contextmanager
+def materialized(frame: DataFrame) -> Iterator[DataFrame]:
+    """``frame`` computed once and kept (in memory, spilling to disk) while the block runs,
+    then dropped, also when the block fails (``ledger --every`` keeps its session).
 
-    The dead letters' keys are taken and kept first: they are few against the markers (a
-    run's new dead letters against the whole history), and with their number known Spark
+    Kept, its size is known when the queries that use it are planned, so Spark broadcasts it
+    where it is small; planned from an aggregation it cannot size, Spark shuffles the other
+    side of a join whole before adaptive execution sees how small this one is.
+    """
+    kept = frame.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        kept.count()
+        yield kept
+    finally:
+        kept.unpersist()
+
+
+def count_orphan_dead_letters(dlq: DataFrame, markers: DataFrame) -> int:
+    """How many valid DLQ records name a message no valid marker in ``markers`` mentions
+    (a message of another group, or one whose markers were never read).
+
+    The dead letters' keys are taken and kept first (:func:`materialized`): they are few
+    against the markers (a run's new dead letters against the whole history), so Spark
     broadcasts them and filters the markers as it reads them; asked for the markers' keys
     first, it shuffled every marker's key.
     """
     letters = dlq.where(F.col("error").isNull())
-    keys = letters.select(*KEY).distinct().persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        keys.count()
+    with materialized(letters.select(*KEY).distinct()) as keys:
         named = markers.where(F.col("error").isNull()).join(keys, KEY, "left_semi")
         return letters.join(named.select(*KEY).distinct(), KEY, "left_anti").count()
-    finally:
-        keys.unpersist()

@@ -13,10 +13,11 @@
  * It computes exactly what pipeline/ledger_fold.py's SQL fold computes (``_per_key_sql``), with
  * Spark's rules for nulls (an aggregate skips them, ``min_by`` takes the value of the least
  * position even when that value is null); tests/spark_pipeline/test_ledger_fold_jvm.py holds
- * the two to the same rows. The output schema is ledger_schemas.FOLDED_SCHEMA (the SQL fold's; tests hold them equal), handed over as JSON, so the
- * final projection that both share sees the same columns; one thing is done here that the SQL
- * path does in that projection: an open attempt followed by a later one is marked
- * ``timed_out`` in the history (``_ledger_rows(timed_out_marked=True)``).
+ * the two to the same rows. The output schema is ledger_schemas.FOLDED_SCHEMA (the SQL
+ * fold's; tests hold them equal), handed over as JSON, so the final projection that both
+ * share sees the same columns; one thing is done here that the SQL path does in that
+ * projection: an open attempt followed by a later one is marked ``timed_out`` in the history
+ * (``_ledger_rows(timed_out_marked=True)``).
  *
  * Input columns, in this order (see ``_fold_input`` in ledger_fold.py): group, origin_topic,
  * origin_partition, origin_offset, src (0 a marker, 1 a dead letter), attempt,

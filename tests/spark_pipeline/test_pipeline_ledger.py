@@ -76,8 +76,8 @@ def _check(row: dict[str, Any], want: Expected) -> None:
 
 
 def _types(schema: StructType) -> dict[str, str]:
-    """Column types by name; a Parquet file keeps neither nullability nor column order (the
-    partition columns come last)."""
+    """Column types by name: Spark writes every column as nullable, and reads the partition
+    columns last."""
     return {f.name: f.dataType.simpleString() for f in schema}
 
 
